@@ -1,0 +1,17 @@
+// The CUDA entry points of a build without CUDA (MOESPEC_CUDA=OFF): they say so.
+#include "moespec/error.h"
+#include "moespec/route_experts.h"
+
+namespace moespec {
+namespace cuda {
+
+bool available() { return false; }
+
+std::size_t route_experts_workspace_size(int64_t, int64_t, int64_t) { return 0; }
+
+void route_experts(const RouteExpertsArgs&, void*, std::size_t, void*) {
+  throw_runtime("moespec was built without CUDA: reconfigure with -DMOESPEC_CUDA=ON (needs nvcc) to run on GPUs");
+}
+
+}  // namespace cuda
+}  // namespace moespec

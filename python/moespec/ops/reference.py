@@ -1,0 +1,100 @@
+"""Plain-torch reference implementations of moespec's native ops (gpt-fast style, no tricks).
+
+The tests hold every native kernel against these, and the op benchmarks time them as the
+"plain torch" baseline. They follow the semantics documented in cpp/include/moespec/route_experts.h
+with ordinary torch ops, so on the CPU they round exactly as the native code does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moespec.ops.routing import ExpertBudget, RouterSpec, RoutingStats
+
+# T tokens, N experts, K top-k, B budget.
+
+
+def route_experts_reference(
+    router_logits: torch.Tensor,
+    spec: RouterSpec,
+    budget: Optional[ExpertBudget] = None,
+    bias: Optional[torch.Tensor] = None,
+    token_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RoutingStats]:
+    """Returns ``(ids int32 [T, K], weights float32 [T, K], active int32 [kept], stats)``."""
+    T, N = router_logits.shape
+    K = spec.top_k
+    logits = router_logits.float()  # [T, N]
+
+    # The family's full probability, selection key and natural (unbudgeted) top-k.
+    if spec.family == "softmax":
+        prob = torch.softmax(logits, dim=-1)  # [T, N]
+        key = prob
+        natural = prob.topk(K, dim=-1).indices  # [T, K]
+    elif spec.family == "deepseek_v3":
+        prob = logits.sigmoid()  # [T, N]
+        key = prob + bias if bias is not None else prob
+        choice = key
+        if spec.n_group > 1:
+            group_score = key.view(T, spec.n_group, -1).topk(2, dim=-1).values.sum(-1)  # [T, G]
+            groups = group_score.topk(spec.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_score).scatter_(1, groups, 1.0).bool()
+            choice = key.masked_fill(~keep.repeat_interleave(N // spec.n_group, dim=1), float("-inf"))
+        natural = choice.topk(K, dim=-1, sorted=False).indices  # [T, K]
+    else:  # gpt_oss: logits already hold the router bias
+        prob = torch.softmax(logits, dim=-1)  # [T, N], for budget scores only
+        key = router_logits
+        natural = router_logits.topk(K, dim=-1).indices  # [T, K]
+
+    ids = natural
+    natural_unique = natural.unique().numel()
+    rerouted = dropped = 0
+    if budget is not None:
+        w = token_weights.double() if token_weights is not None else torch.ones(T, dtype=torch.float64)
+        score = torch.zeros(N, dtype=torch.float64)
+        for t in range(T):  # summed token by token, as the native code does
+            score += w[t] * prob[t].double()
+        order = torch.sort(score, descending=True, stable=True).indices  # ties: lower id first
+        B = min(budget.max_experts, N)
+        if budget.coverage is not None:
+            total = score.cumsum(0)[-1] if N else 0.0
+            if total > 0:
+                share = score[order].cumsum(0) / total
+                m = int((share < budget.coverage).sum()) + 1
+            else:
+                m = 1
+            B = min(B, min(max(m, K), N))
+        if B < N and natural_unique > B:
+            in_set = torch.zeros(N, dtype=torch.bool)
+            in_set[order[:B]] = True
+            outside = ~in_set[natural]  # [T, K]
+            if budget.policy == "substitution":
+                rerouted = int(outside.sum())
+                ids = key.masked_fill(~in_set, float("-inf")).topk(K, dim=-1, sorted=spec.family != "deepseek_v3").indices
+            else:
+                dropped = int(outside.sum())
+                ids = natural.masked_fill(outside, N)
+
+    # The family's weights on the final slots; a dropped slot (id N) weighs 0.
+    kept = ids < N  # [T, K]
+    slot = ids.clamp(max=N - 1)
+    if spec.family == "softmax":
+        weights = torch.where(kept, prob.gather(1, slot), 0.0)
+        if spec.renormalize:
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = torch.where(total > 0, weights / total, 0.0)
+    elif spec.family == "deepseek_v3":
+        weights = torch.where(kept, prob.gather(1, slot), 0.0)
+        if spec.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * spec.scaling
+    else:
+        top = router_logits.gather(1, slot).masked_fill(~kept, float("-inf"))
+        weights = torch.softmax(top, dim=1, dtype=top.dtype).float()
+        weights = torch.where(kept.any(dim=-1, keepdim=True), weights, 0.0)
+
+    active = ids[kept].unique().to(torch.int32)  # sorted
+    stats = RoutingStats(natural_unique, active.numel(), rerouted, dropped)
+    return ids.to(torch.int32), weights.float(), active, stats
