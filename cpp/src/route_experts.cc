@@ -153,6 +153,34 @@ void topk_like_torch(const float* row, int64_t n, int64_t k, bool sorted, std::v
   for (int64_t j = 0; j < k; ++j) out[j] = static_cast<int32_t>(queue[j].second);
 }
 
+// Fast top-k for sorted results: one pass keeping the k best in a small sorted array. Without ties
+// the descending top-k is unique, so it equals topk_like_torch; on any tie among the values it
+// compares (a conservative test) it returns false and the caller falls back to topk_like_torch.
+// Scans row[candidates[i]] for i < count, or row[0..count) when candidates is null.
+bool topk_sorted_fast(const float* row, const int32_t* candidates, int64_t count, int64_t k, int32_t* out) {
+  float vals[kMaxTopK];
+  int64_t filled = 0;
+  for (int64_t c = 0; c < count; ++c) {
+    const int32_t e = candidates ? candidates[c] : static_cast<int32_t>(c);
+    const float v = row[e];
+    if (filled == k) {
+      if (v < vals[k - 1]) continue;
+      if (v == vals[k - 1]) return false;
+    }
+    int64_t pos = filled < k ? filled : k - 1;  // the free slot, or the evicted last one
+    while (pos > 0 && vals[pos - 1] < v) {
+      vals[pos] = vals[pos - 1];
+      out[pos] = out[pos - 1];
+      --pos;
+    }
+    if (pos > 0 && vals[pos - 1] == v) return false;
+    vals[pos] = v;
+    out[pos] = e;
+    if (filled < k) ++filled;
+  }
+  return filled == k;
+}
+
 // aten's BFloat16/Half softmax over a short last dim (gpt_oss in reduced precision): the first
 // n - n % width values take the vector exp and a lane-tree partial sum, the rest libm's expf and
 // a sequential sum; the result is rounded to the reduced type. Returns the rounded values as float.
@@ -195,6 +223,7 @@ struct Scratch {
   std::vector<double> score;      // [N] budget scores
   std::vector<int32_t> order;     // [N] experts by descending score
   std::vector<uint8_t> in_set;    // [N] budget set S, or union marks
+  std::vector<int32_t> members;   // ids in S, ascending
   std::vector<uint8_t> used;      // [N] experts used after re-routing
   std::vector<float> group_score; // [n_group] deepseek_v3 group scores
 };
@@ -300,7 +329,12 @@ class Router {
   // needs it only for budget scores).
   void compute_probabilities() {
     if (spec_.family == RouterFamily::kDeepSeekV3) {
-      math_.sigmoid(s_.logits.data(), s_.prob.data(), T_ * N_);
+      const int64_t total = T_ * N_;
+      math_.sigmoid(s_.logits.data(), s_.prob.data(), total);
+      // PyTorch's sigmoid kernel runs blocks of two vectors (2 * width floats) and finishes the
+      // last total % (2 * width) elements of the tensor with scalar code on libm's expf.
+      for (int64_t i = total - total % (2 * width_); i < total; ++i)
+        s_.prob[i] = 1.0f / (1.0f + std::exp(-s_.logits[i]));
     } else if (spec_.family == RouterFamily::kSoftmax || a_.budget.max_experts > 0) {
       math_.softmax_rows(s_.logits.data(), N_, s_.prob.data(), N_, T_, N_, width_);
     }
@@ -310,8 +344,14 @@ class Router {
   void natural_topk(int64_t t, int32_t* out) {
     const float* prob = s_.prob.data() + t * N_;
     switch (spec_.family) {
-      case RouterFamily::kSoftmax: topk_like_torch(prob, N_, K_, true, s_.queue, out); break;
-      case RouterFamily::kGptOss: topk_like_torch(s_.logits.data() + t * N_, N_, K_, true, s_.queue, out); break;
+      case RouterFamily::kSoftmax:
+        if (!topk_sorted_fast(prob, nullptr, N_, K_, out)) topk_like_torch(prob, N_, K_, true, s_.queue, out);
+        break;
+      case RouterFamily::kGptOss: {
+        const float* logits = s_.logits.data() + t * N_;
+        if (!topk_sorted_fast(logits, nullptr, N_, K_, out)) topk_like_torch(logits, N_, K_, true, s_.queue, out);
+        break;
+      }
       case RouterFamily::kDeepSeekV3: {
         float* sel = s_.select.data();
         for (int64_t e = 0; e < N_; ++e) sel[e] = prob[e] + (bias_ ? bias_[e] : 0.0f);
@@ -392,12 +432,19 @@ class Router {
     if (budget >= N_ || natural <= budget) return false;
     std::fill(s_.in_set.begin(), s_.in_set.end(), 0);
     for (int64_t i = 0; i < budget; ++i) s_.in_set[s_.order[i]] = 1;
+    s_.members.clear();
+    for (int64_t e = 0; e < N_; ++e)
+      if (s_.in_set[e]) s_.members.push_back(static_cast<int32_t>(e));
     return true;
   }
 
   // Substitution: token t's top-K of the family's selection key restricted to S (no group limit).
   void substitute_topk(int64_t t, int32_t* out) {
     const float* key = spec_.family == RouterFamily::kGptOss ? s_.logits.data() + t * N_ : s_.prob.data() + t * N_;
+    // S holds >= K experts, so the masked (-inf) ones never make the top-K: scan S alone.
+    if (spec_.family != RouterFamily::kDeepSeekV3 &&
+        topk_sorted_fast(key, s_.members.data(), static_cast<int64_t>(s_.members.size()), K_, out))
+      return;
     float* sel = s_.select.data();
     for (int64_t e = 0; e < N_; ++e) {
       float v = key[e];

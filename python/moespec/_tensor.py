@@ -24,13 +24,15 @@ def view(t: torch.Tensor | None, name: str):
     """Descriptor of ``t`` for the native module (None stays None)."""
     if t is None:
         return None
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    code = DTYPE_CODES.get(t.dtype)
-    if code is None:
+    try:
+        code = DTYPE_CODES[t.dtype]
+    except (KeyError, AttributeError):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}") from None
         allowed = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
-        raise ValueError(f"{name}: dtype {t.dtype} is not supported by moespec kernels (supported: {allowed})")
-    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: dtype {t.dtype} is not supported by moespec kernels (supported: {allowed})") from None
+    if t.is_cuda:
+        return (t.data_ptr(), code, t.shape, t.stride(), 1, t.get_device())
+    if not t.is_cpu:
         raise ValueError(f"{name}: tensors on {t.device.type} are not supported (cpu or cuda)")
-    is_cuda = t.device.type == "cuda"
-    return (t.data_ptr(), code, tuple(t.shape), t.stride(), 1 if is_cuda else 0, t.device.index or 0 if is_cuda else 0)
+    return (t.data_ptr(), code, t.shape, t.stride(), 0, 0)

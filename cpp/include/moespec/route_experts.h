@@ -36,7 +36,9 @@
 // (a Sleef-style exp, the vector-lane reduction tree of softmax, the ILP order of short sums,
 // std::nth_element/partial_sort top-k), so that fp32 weights are bit-identical to transformers'.
 // `softmax_vector_width` is that reduction tree's width: 16 for PyTorch's AVX-512 kernels, 8 for
-// its AVX2/default kernels. The CUDA implementation uses the same arithmetic; its top-K is
+// its AVX2 kernels. (PyTorch's sigmoid finishes the last T*N mod 2*width elements of the tensor
+// with libm's expf; so does ours. Above 32768 elements PyTorch splits the tensor across threads
+// and each chunk gets such a tail, so there its DeepSeek-V3 scores can differ from ours by 1 ulp.) The CUDA implementation uses the same arithmetic; its top-K is
 // ordered by (value desc, id asc), so deepseek_v3's unordered slot order (and with it the last bit
 // of its renormalised weights) can differ from the CPU.
 #pragma once

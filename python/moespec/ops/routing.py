@@ -11,7 +11,6 @@ Dimensions: T tokens, N experts, K top-k, B budget.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
@@ -177,13 +176,17 @@ class Routing:
         return RoutingStats(*(int(x) for x in self.stats_tensor.tolist()))
 
 
-@functools.cache
+# Lane count of PyTorch's CPU reductions on this machine (16 with its AVX-512 kernels, else 8),
+# read once at import (torch.compile cannot trace the query).
+_SOFTMAX_VECTOR_WIDTH = 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
+
+
 def softmax_vector_width() -> int:
     """Lane count of PyTorch's CPU softmax reduction on this machine (16 with AVX-512, else 8).
 
     moespec's CPU routing sums in the same order, so that its weights equal transformers' bit for bit.
     """
-    return 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
+    return _SOFTMAX_VECTOR_WIDTH
 
 
 def _route_experts_impl(
@@ -327,9 +330,10 @@ def route_experts(
         budget.max_experts if budget else 0,
         _POLICY_CODES[budget.policy] if budget else 0,
         float(budget.coverage) if budget and budget.coverage is not None else 0.0,
-        softmax_vector_width(),
+        _SOFTMAX_VECTOR_WIDTH,
     )
-    # Eager calls go straight to the implementation (the custom op's dispatch costs ~10x the
-    # routing itself at decode sizes); traced code (torch.compile) goes through the op.
+    # Eager calls go straight to the implementation (the dispatcher round trip of the custom op
+    # adds ~15 us per call, as much as the routing itself at decode sizes: see
+    # `python -m moespec.bench.ops`); traced code (torch.compile) goes through the op.
     impl = route_experts_op if torch.compiler.is_compiling() else _route_experts_impl
     return Routing(*impl(*args))

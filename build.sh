@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# moespec's one entry point for set-up, build and tests.
+#
+#   ./build.sh          create .venv (Python 3.11, every dependency pinned in requirements.txt),
+#                       configure and build the native code (C++ always; CUDA when nvcc is found;
+#                       TensorRT plugins when TensorRT_ROOT points at an SDK) and install the package
+#                       in development mode (python/ on the venv's path, moespec._native in place)
+#   ./build.sh test     build as needed, then run the C++ tests (ctest) and pytest; exits non-zero
+#                       on any failure (CI runs exactly this)
+#
+# Environment: CUDA_ARCHS (default "80;90a"), TensorRT_ROOT, MOESPEC_CUDA=ON|OFF (default: auto),
+# MOESPEC_PYTHON_BIN (default python3.11), JOBS (parallel compile jobs, default: all cores).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+ROOT=$(pwd)
+VENV=$ROOT/.venv
+BUILD=$ROOT/build/dev
+JOBS=${JOBS:-$(nproc)}
+
+log() { printf '\033[1m[build.sh]\033[0m %s\n' "$*"; }
+die() { printf '[build.sh] error: %s\n' "$*" >&2; exit 1; }
+
+setup_venv() {
+  local stamp="$VENV/.moespec-requirements" want
+  want=$(sha256sum requirements.txt | cut -d' ' -f1)
+  if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    return
+  fi
+  local py=${MOESPEC_PYTHON_BIN:-python3.11}
+  command -v "$py" >/dev/null || die "$py not found: moespec needs Python 3.11 (set MOESPEC_PYTHON_BIN)"
+  "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || die "$py is not Python 3.11"
+  log "creating .venv with the pinned dependencies of requirements.txt (first run: about a minute)"
+  "$py" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.txt
+  echo "$want" >"$stamp"
+}
+
+configure() {
+  if [[ -f "$BUILD/CMakeCache.txt" && -f "$BUILD/build.ninja" ]]; then
+    return  # CMake re-runs itself when a CMakeLists.txt changes
+  fi
+  log "configuring the native build in build/dev"
+  local args=(-S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
+    -DPython_EXECUTABLE="$VENV/bin/python" -DCMAKE_MAKE_PROGRAM="$VENV/bin/ninja"
+    -DMOESPEC_INPLACE=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-80;90a}")
+  [[ -n "${MOESPEC_CUDA:-}" ]] && args+=(-DMOESPEC_CUDA="$MOESPEC_CUDA")
+  [[ -n "${TensorRT_ROOT:-}" ]] && args+=(-DTensorRT_ROOT="$TensorRT_ROOT")
+  "$VENV/bin/cmake" "${args[@]}"
+}
+
+build_native() {
+  "$VENV/bin/cmake" --build "$BUILD" -j "$JOBS"
+}
+
+install_dev() {
+  # Development mode: the venv imports moespec straight from python/ (the native module is built
+  # in place next to it), and `moespec` runs the CLI.
+  local site
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$ROOT/python" >"$site/moespec-dev.pth"
+}
+
+build_all() {
+  setup_venv
+  configure
+  build_native
+  install_dev
+}
+
+run_tests() {
+  log "C++ tests (ctest)"
+  (cd "$BUILD" && "$VENV/bin/ctest" --output-on-failure)
+  log "Python tests (pytest)"
+  "$VENV/bin/python" -m pytest -q tests/python tests/gpu
+}
+
+case "${1:-build}" in
+  build) build_all ;;
+  test) build_all && run_tests ;;
+  -h | --help | help) sed -n '2,14p' "$0" ;;
+  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test)" ;;
+esac

@@ -1,0 +1,1 @@
+"""moespec benchmarks: ``python -m moespec.bench.ops`` times the native ops against plain torch."""
