@@ -294,8 +294,14 @@ class Router {
       if (!capped) {
         std::copy(nat, nat + K_, row);
       } else if (a_.budget.policy == BudgetPolicy::kSubstitution) {
-        for (int64_t j = 0; j < K_; ++j) stats.rerouted += s_.in_set[nat[j]] ? 0 : 1;
-        substitute_topk(t, row);
+        bool all_in_set = true;
+        for (int64_t j = 0; j < K_; ++j) all_in_set = all_in_set && s_.in_set[nat[j]];
+        if (all_in_set) {
+          std::copy(nat, nat + K_, row);
+        } else {
+          substitute_topk(t, row);
+          for (int64_t j = 0; j < K_; ++j) stats.rerouted += std::find(nat, nat + K_, row[j]) == nat + K_ ? 1 : 0;
+        }
       } else {
         for (int64_t j = 0; j < K_; ++j) {
           const bool keep = s_.in_set[nat[j]] != 0;

@@ -114,6 +114,10 @@ def test_budget_invariants(case):
         assert stats.dropped == 0
         assert torch.all(r.ids < N)
         assert all(len(set(row)) == K for row in r.ids.tolist())  # exactly k distinct experts
+        pairs = list(zip(r.ids.tolist(), natural.ids.tolist()))
+        assert stats.rerouted == sum(len(set(row) - set(nat)) for row, nat in pairs)
+        in_set = set(r.active.tolist())
+        assert all(row == nat for row, nat in pairs if set(nat) <= in_set)  # fitting tokens keep theirs
     else:
         assert stats.rerouted == 0
         assert int((r.ids == N).sum()) == stats.dropped

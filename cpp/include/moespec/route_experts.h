@@ -27,7 +27,8 @@
 //   3. if the natural union of the tokens' experts has at most B_eff experts, or B_eff >= N, the
 //      routing is returned unchanged (exact);
 //   4. else S = the B_eff best experts by score (ties: lower id) and each token is re-routed:
-//      substitution: top-K of the family's selection score restricted to S (no group limit);
+//      substitution: a token whose natural experts all lie in S keeps them; any other token takes
+//      the top-K of the family's selection score restricted to S (no group limit);
 //      truncation: natural ids, slots outside S dropped (id N, weight 0);
 //      then the family's own weights/renormalisation on the kept slots (a token with every slot
 //      dropped gets all-zero weights).
@@ -71,7 +72,7 @@ struct RouterSpec {
 };
 
 struct ExpertBudget {
-  int32_t max_experts = 0;  // B; 0 = no budget; B >= N means no cap; 0 < B < K is an error
+  int32_t max_experts = 0;  // B; 0 = no budget; 0 < B < K is an error; B >= N caps nothing unless coverage is set
   BudgetPolicy policy = BudgetPolicy::kSubstitution;
   double coverage = 0.0;    // 0 = off; else in (0, 1]: keep the smallest mass-c prefix (<= B)
 };
@@ -79,7 +80,7 @@ struct ExpertBudget {
 struct RoutingStats {
   int32_t natural_unique = 0;  // unique experts of the natural (unbudgeted) routing
   int32_t kept = 0;            // unique experts after budgeting (= number of active ids)
-  int32_t rerouted = 0;        // slots whose natural expert was replaced (substitution)
+  int32_t rerouted = 0;        // slots now holding an expert the token did not choose naturally (substitution)
   int32_t dropped = 0;         // slots dropped (truncation)
 };
 constexpr int kRoutingStatsSize = 4;

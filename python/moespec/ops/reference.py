@@ -80,8 +80,11 @@ def route_experts_reference(
             in_set[order[:B]] = True
             outside = ~in_set[natural]  # [T, K]
             if budget.policy == "substitution":
-                rerouted = int(outside.sum())
-                ids = key.masked_fill(~in_set, float("-inf")).topk(K, dim=-1, sorted=spec.family != "deepseek_v3").indices
+                moved = key.masked_fill(~in_set, float("-inf")).topk(K, dim=-1, sorted=spec.family != "deepseek_v3").indices
+                stays = ~outside.any(dim=-1, keepdim=True)  # [T, 1]: all natural experts in S
+                ids = torch.where(stays, natural, moved)
+                # re-routed slots: those holding an expert the token did not choose naturally
+                rerouted = int((ids[:, :, None] != natural[:, None, :]).all(dim=-1).sum())
             else:
                 dropped = int(outside.sum())
                 ids = natural.masked_fill(outside, N)

@@ -113,8 +113,9 @@ class ExpertBudget:
         B. Experts are ranked by routing probability summed over the pass's tokens and the best B
         kept; B >= N means no cap; B < top_k is an error (one token alone needs k experts).
     policy : {"substitution", "truncation"}
-        substitution (default): a token whose experts fall outside the set takes its next best
-        inside it, so it keeps k experts. truncation: those slots are dropped.
+        substitution (default): a token whose experts fall outside the set takes its best k
+        inside it, so it keeps k experts (a token whose experts all lie inside keeps them).
+        truncation: the slots outside the set are dropped.
     coverage : float, optional
         In (0, 1]: keep only the smallest set of experts holding this share of the score mass
         (at least top_k, at most ``max_experts``).
@@ -144,7 +145,7 @@ class RoutingStats:
 
     natural_unique: int  # unique experts the unbudgeted routing would use
     kept: int  # unique experts actually used
-    rerouted: int  # token slots moved to another expert (substitution)
+    rerouted: int  # token slots now holding an expert the token did not choose (substitution)
     dropped: int  # token slots dropped (truncation)
 
 

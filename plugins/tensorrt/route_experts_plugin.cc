@@ -1,0 +1,455 @@
+// MoespecRouteExperts: the TensorRT IPluginV3 door to moespec::cuda::route_experts (see
+// route_experts_plugin.h). Shapes and dtypes in, views out, one kernel call; every check on shapes
+// and scalars is the core's own validate_route_experts, and every exception becomes a report
+// (plugin_log.h) plus TensorRT's failure value.
+#include "route_experts_plugin.h"
+
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <type_traits>
+#include <utility>
+
+#include "moespec/error.h"
+#include "plugin_log.h"
+
+namespace moespec {
+namespace trt {
+
+using nvinfer1::DataType;
+using nvinfer1::DimsExprs;
+using nvinfer1::DynamicPluginTensorDesc;
+using nvinfer1::IDimensionExpr;
+using nvinfer1::PluginField;
+using nvinfer1::PluginFieldCollection;
+using nvinfer1::PluginFieldType;
+using nvinfer1::PluginTensorDesc;
+
+namespace {
+
+constexpr int32_t kNbOutputs = static_cast<int32_t>(RouteExpertsOutput::kCount);
+
+constexpr int32_t idx(RouteExpertsOutput output) { return static_cast<int32_t>(output); }
+
+// The field table: name and member, in serialization order. The member's type (int32_t or float)
+// is the field's type (kINT32 or kFLOAT32).
+template <typename Fields, typename Visit>
+void visit_fields(Fields& f, Visit&& visit) {
+  visit("family", f.family);
+  visit("top_k", f.top_k);
+  visit("renormalize", f.renormalize);
+  visit("n_group", f.n_group);
+  visit("topk_group", f.topk_group);
+  visit("scaling", f.scaling);
+  visit("max_experts", f.max_experts);
+  visit("policy", f.policy);
+  visit("coverage", f.coverage);
+  visit("has_bias", f.has_bias);
+  visit("has_token_weights", f.has_token_weights);
+  visit("softmax_vector_width", f.softmax_vector_width);
+}
+
+static_assert(sizeof(float) == sizeof(int32_t), "fields are 4-byte values");
+
+template <typename V>
+constexpr PluginFieldType field_type() {
+  static_assert(std::is_same_v<V, int32_t> || std::is_same_v<V, float>, "fields are int32 or float32");
+  return std::is_same_v<V, float> ? PluginFieldType::kFLOAT32 : PluginFieldType::kINT32;
+}
+
+const char* field_type_name(PluginFieldType type) {
+  return type == PluginFieldType::kFLOAT32 ? "FLOAT32" : type == PluginFieldType::kINT32 ? "INT32" : "other";
+}
+
+// One PluginField per field, pointing into `fields`.
+std::vector<PluginField> to_plugin_fields(const RouteExpertsFields& fields) {
+  std::vector<PluginField> out;
+  visit_fields(fields, [&](const char* name, const auto& value) {
+    out.emplace_back(name, &value, field_type<std::decay_t<decltype(value)>>(), 1);
+  });
+  return out;
+}
+
+std::string field_names() {
+  const RouteExpertsFields defaults;
+  std::string names;
+  visit_fields(defaults, [&](const char* name, const auto&) {
+    names += names.empty() ? "" : ", ";
+    names += name;
+  });
+  return names;
+}
+
+// "MoespecRouteExperts 'layer'::method: what", through plugin_log.h.
+void report(const char* layer, const char* method, const char* what) noexcept {
+  try {
+    std::string where = kRouteExpertsPluginName;
+    if (layer != nullptr && *layer != '\0') where += std::string(" '") + layer + "'";
+    where += "::";
+    where += method;
+    report_error(where.c_str(), what);
+  } catch (...) {
+    report_error(method, what);
+  }
+}
+
+// Runs `body`; an exception becomes a report and `on_error` (TensorRT methods are noexcept).
+template <typename Result, typename Body>
+Result guarded(const char* layer, const char* method, Result on_error, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    report(layer, method, e.what());
+  } catch (...) {
+    report(layer, method, "unknown exception");
+  }
+  return on_error;
+}
+
+DType to_dtype(DataType type) {
+  switch (type) {
+    case DataType::kFLOAT: return DType::kFloat32;
+    case DataType::kHALF: return DType::kFloat16;
+    case DataType::kBF16: return DType::kBFloat16;
+    case DataType::kINT32: return DType::kInt32;
+    case DataType::kINT64: return DType::kInt64;
+    case DataType::kUINT8: return DType::kUInt8;
+    default: throw_invalid("dtype", "TensorRT DataType ", static_cast<int32_t>(type), " has no moespec dtype");
+  }
+}
+
+// A contiguous CUDA view of a linear-format TensorRT tensor.
+TensorView to_view(const PluginTensorDesc& desc, const void* data, int32_t device_index) {
+  MOESPEC_CHECK_ARG(desc.dims.nbDims >= 0 && desc.dims.nbDims <= TensorView::kMaxDims, "dims", "a tensor of ",
+                    desc.dims.nbDims, " dims (at most ", TensorView::kMaxDims, " supported)");
+  TensorView view;
+  view.data = const_cast<void*>(data);
+  view.dtype = to_dtype(desc.type);
+  view.ndim = desc.dims.nbDims;
+  int64_t stride = 1;
+  for (int32_t d = view.ndim - 1; d >= 0; --d) {
+    view.shape[d] = desc.dims.d[d];
+    view.strides[d] = stride;
+    stride *= desc.dims.d[d];
+  }
+  view.device = Device::kCUDA;
+  view.device_index = device_index;
+  return view;
+}
+
+// The kernel's arguments for one call: views of the bound tensors plus the fields' scalars.
+RouteExpertsArgs make_args(const RouteExpertsFields& f, const PluginTensorDesc* in, const void* const* inputs,
+                           const PluginTensorDesc* out, void* const* outputs, int32_t device_index) {
+  RouteExpertsArgs args;
+  const int32_t logits = f.input_index(RouteExpertsInput::kRouterLogits);
+  const int32_t bias = f.input_index(RouteExpertsInput::kBias);
+  const int32_t token_weights = f.input_index(RouteExpertsInput::kTokenWeights);
+  args.router_logits = to_view(in[logits], inputs[logits], device_index);
+  if (bias >= 0) args.bias = to_view(in[bias], inputs[bias], device_index);
+  if (token_weights >= 0) args.token_weights = to_view(in[token_weights], inputs[token_weights], device_index);
+  args.ids = to_view(out[idx(RouteExpertsOutput::kIds)], outputs[idx(RouteExpertsOutput::kIds)], device_index);
+  args.weights =
+      to_view(out[idx(RouteExpertsOutput::kWeights)], outputs[idx(RouteExpertsOutput::kWeights)], device_index);
+  args.active = to_view(out[idx(RouteExpertsOutput::kActive)], outputs[idx(RouteExpertsOutput::kActive)], device_index);
+  args.stats = to_view(out[idx(RouteExpertsOutput::kStats)], outputs[idx(RouteExpertsOutput::kStats)], device_index);
+  args.spec = f.spec();
+  args.budget = f.budget();
+  args.softmax_vector_width = f.softmax_vector_width;
+  return args;
+}
+
+void check_counts(const RouteExpertsFields& f, int32_t nb_inputs, int32_t nb_outputs) {
+  MOESPEC_CHECK_ARG(nb_inputs == f.nb_inputs(), "inputs", "expected ", f.nb_inputs(), " inputs (router_logits",
+                    f.has_bias ? ", bias" : "", f.has_token_weights ? ", token_weights" : "", "), got ", nb_inputs);
+  MOESPEC_CHECK_ARG(nb_outputs == kNbOutputs, "outputs", "expected ", kNbOutputs,
+                    " outputs (ids, weights, active, stats), got ", nb_outputs);
+}
+
+}  // namespace
+
+// ---- RouteExpertsFields -------------------------------------------------------------------------
+
+RouteExpertsFields RouteExpertsFields::from_collection(const PluginFieldCollection* fc) {
+  MOESPEC_CHECK_ARG(fc != nullptr, "fields", "no PluginFieldCollection given");
+  MOESPEC_CHECK_ARG(fc->nbFields >= 0 && (fc->nbFields == 0 || fc->fields != nullptr), "fields",
+                    "a collection of ", fc->nbFields, " fields without field data");
+  RouteExpertsFields out;
+  uint32_t seen = 0;
+  for (int32_t i = 0; i < fc->nbFields; ++i) {
+    const PluginField& given = fc->fields[i];
+    MOESPEC_CHECK_ARG(given.name != nullptr, "fields", "field ", i, " has no name");
+    bool matched = false;
+    int bit = 0;
+    visit_fields(out, [&](const char* name, auto& value) {
+      const uint32_t mask = 1u << bit++;
+      if (matched || std::strcmp(name, given.name) != 0) return;
+      matched = true;
+      using V = std::decay_t<decltype(value)>;
+      MOESPEC_CHECK_ARG(given.type == field_type<V>(), name, "expected type ", field_type_name(field_type<V>()),
+                        ", got PluginFieldType ", static_cast<int32_t>(given.type), " (",
+                        field_type_name(given.type), ")");
+      MOESPEC_CHECK_ARG(given.length == 1 && given.data != nullptr, name, "expected one value, got ", given.length,
+                        given.data == nullptr ? " and no data" : "");
+      MOESPEC_CHECK_ARG((seen & mask) == 0, name, "given more than once");
+      seen |= mask;
+      std::memcpy(&value, given.data, sizeof(V));
+    });
+    MOESPEC_CHECK_ARG(matched, given.name, "not a field of ", kRouteExpertsPluginName, " (its fields: ", field_names(),
+                      ")");
+  }
+  out.validate();
+  return out;
+}
+
+void RouteExpertsFields::validate() const {
+  MOESPEC_CHECK_ARG(family == static_cast<int32_t>(RouterFamily::kSoftmax) ||
+                        family == static_cast<int32_t>(RouterFamily::kDeepSeekV3) ||
+                        family == static_cast<int32_t>(RouterFamily::kGptOss),
+                    "family", "must be 0 (softmax), 1 (deepseek_v3) or 2 (gpt_oss), got ", family);
+  MOESPEC_CHECK_ARG(top_k >= 1 && top_k <= kMaxTopK, "top_k", "must be in [1, ", kMaxTopK, "], got ", top_k,
+                    top_k == 0 ? " (a required field)" : "");
+  MOESPEC_CHECK_ARG(renormalize == 0 || renormalize == 1, "renormalize", "must be 0 or 1, got ", renormalize);
+  if (family == static_cast<int32_t>(RouterFamily::kDeepSeekV3)) {
+    MOESPEC_CHECK_ARG(n_group >= 1, "n_group", "must be >= 1, got ", n_group);
+    MOESPEC_CHECK_ARG(topk_group >= 1 && topk_group <= n_group, "topk_group", "must be in [1, n_group=", n_group,
+                      "], got ", topk_group);
+  }
+  MOESPEC_CHECK_ARG(std::isfinite(scaling), "scaling", "must be finite, got ", scaling);
+  MOESPEC_CHECK_ARG(max_experts == 0 || max_experts >= top_k, "max_experts", "must be 0 (no budget) or at least top_k=",
+                    top_k, " (one token alone needs ", top_k, " experts), got ", max_experts);
+  MOESPEC_CHECK_ARG(policy == static_cast<int32_t>(BudgetPolicy::kSubstitution) ||
+                        policy == static_cast<int32_t>(BudgetPolicy::kTruncation),
+                    "policy", "must be 0 (substitution) or 1 (truncation), got ", policy);
+  MOESPEC_CHECK_ARG(std::isfinite(coverage) && coverage >= 0.0f && coverage <= 1.0f, "coverage",
+                    "must be in (0, 1] (or 0 for off), got ", coverage);
+  MOESPEC_CHECK_ARG(has_bias == 0 || has_bias == 1, "has_bias", "must be 0 or 1, got ", has_bias);
+  MOESPEC_CHECK_ARG(has_bias == 0 || family == static_cast<int32_t>(RouterFamily::kDeepSeekV3), "has_bias",
+                    "only family 1 (deepseek_v3) takes a bias input; for gpt_oss the router bias belongs in "
+                    "router_logits");
+  MOESPEC_CHECK_ARG(has_token_weights == 0 || has_token_weights == 1, "has_token_weights", "must be 0 or 1, got ",
+                    has_token_weights);
+  MOESPEC_CHECK_ARG(softmax_vector_width == 8 || softmax_vector_width == 16, "softmax_vector_width",
+                    "must be 8 or 16, got ", softmax_vector_width);
+}
+
+RouterSpec RouteExpertsFields::spec() const {
+  RouterSpec spec;
+  spec.family = static_cast<RouterFamily>(family);
+  spec.top_k = top_k;
+  spec.renormalize = renormalize != 0;
+  spec.n_group = n_group;
+  spec.topk_group = topk_group;
+  spec.scaling = scaling;
+  return spec;
+}
+
+ExpertBudget RouteExpertsFields::budget() const {
+  ExpertBudget budget;
+  budget.max_experts = max_experts;
+  budget.policy = static_cast<BudgetPolicy>(policy);
+  budget.coverage = coverage;
+  return budget;
+}
+
+int32_t RouteExpertsFields::input_index(RouteExpertsInput input) const {
+  switch (input) {
+    case RouteExpertsInput::kRouterLogits: return 0;
+    case RouteExpertsInput::kBias: return has_bias ? 1 : -1;
+    case RouteExpertsInput::kTokenWeights: return has_token_weights ? 1 + has_bias : -1;
+  }
+  return -1;
+}
+
+bool RouteExpertsFields::operator==(const RouteExpertsFields& other) const {
+  const std::vector<PluginField> a = to_plugin_fields(*this);
+  const std::vector<PluginField> b = to_plugin_fields(other);
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(a[i].data, b[i].data, sizeof(int32_t)) != 0) return false;  // int32 or float32
+  return true;
+}
+
+// ---- RouteExpertsPlugin -------------------------------------------------------------------------
+
+RouteExpertsPlugin::RouteExpertsPlugin(const RouteExpertsFields& fields, std::string plugin_namespace,
+                                       std::string layer_name)
+    : fields_(fields), namespace_(std::move(plugin_namespace)), layer_name_(std::move(layer_name)) {
+  fields_.validate();
+}
+
+nvinfer1::IPluginCapability* RouteExpertsPlugin::getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept {
+  switch (type) {
+    case nvinfer1::PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
+    case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<nvinfer1::IPluginV3OneBuild*>(this);
+    case nvinfer1::PluginCapabilityType::kRUNTIME: return static_cast<nvinfer1::IPluginV3OneRuntime*>(this);
+  }
+  report(layer_name_.c_str(), "getCapabilityInterface", "unknown PluginCapabilityType");
+  return nullptr;
+}
+
+nvinfer1::IPluginV3* RouteExpertsPlugin::clone() noexcept {
+  return guarded(layer_name_.c_str(), "clone", static_cast<nvinfer1::IPluginV3*>(nullptr),
+                 [&]() -> nvinfer1::IPluginV3* { return new RouteExpertsPlugin(fields_, namespace_, layer_name_); });
+}
+
+int32_t RouteExpertsPlugin::configurePlugin(const DynamicPluginTensorDesc* in, int32_t nb_inputs,
+                                            const DynamicPluginTensorDesc* out, int32_t nb_outputs) noexcept {
+  return guarded(layer_name_.c_str(), "configurePlugin", int32_t{-1}, [&] {
+    check_counts(fields_, nb_inputs, nb_outputs);
+    MOESPEC_CHECK_ARG(in != nullptr && out != nullptr, "inputs", "no tensor descriptions given");
+    // The core's shape and scalar checks, on the profile's largest input shapes, the outputs at the
+    // shapes getOutputShapes gives them. validate_route_experts reads shapes, never data, so a
+    // placeholder address stands in for the buffers bound at enqueue.
+    const nvinfer1::Dims& logits = in[fields_.input_index(RouteExpertsInput::kRouterLogits)].max;
+    MOESPEC_CHECK_ARG(logits.nbDims == 2, "router_logits", "expected a 2-d tensor [T, N], got ", logits.nbDims,
+                      " dims");
+    const int64_t T = logits.d[0];
+    const int64_t N = logits.d[1];
+    const int64_t K = fields_.top_k;
+    const nvinfer1::Dims out_dims[kNbOutputs] = {{2, {T, K}}, {2, {T, K}}, {1, {N}}, {1, {kRoutingStatsSize}}};
+    static char placeholder;
+    PluginTensorDesc in_max[3];
+    PluginTensorDesc out_max[kNbOutputs];
+    const void* in_data[3] = {&placeholder, &placeholder, &placeholder};
+    void* out_data[kNbOutputs] = {&placeholder, &placeholder, &placeholder, &placeholder};
+    for (int32_t i = 0; i < nb_inputs; ++i) {
+      in_max[i] = in[i].desc;
+      in_max[i].dims = in[i].max;
+    }
+    for (int32_t i = 0; i < nb_outputs; ++i) {
+      out_max[i] = out[i].desc;
+      out_max[i].dims = out_dims[i];
+    }
+    validate_route_experts(make_args(fields_, in_max, in_data, out_max, out_data, 0), Device::kCUDA);
+    return int32_t{0};
+  });
+}
+
+int32_t RouteExpertsPlugin::getOutputDataTypes(DataType* output_types, int32_t nb_outputs,
+                                               const DataType* input_types, int32_t nb_inputs) const noexcept {
+  return guarded(layer_name_.c_str(), "getOutputDataTypes", int32_t{-1}, [&] {
+    check_counts(fields_, nb_inputs, nb_outputs);
+    MOESPEC_CHECK_ARG(output_types != nullptr && input_types != nullptr, "outputs", "no type arrays given");
+    output_types[idx(RouteExpertsOutput::kIds)] = DataType::kINT32;
+    output_types[idx(RouteExpertsOutput::kWeights)] = DataType::kFLOAT;
+    output_types[idx(RouteExpertsOutput::kActive)] = DataType::kINT32;
+    output_types[idx(RouteExpertsOutput::kStats)] = DataType::kINT32;
+    return int32_t{0};
+  });
+}
+
+int32_t RouteExpertsPlugin::getOutputShapes(const DimsExprs* inputs, int32_t nb_inputs, const DimsExprs*, int32_t,
+                                            DimsExprs* outputs, int32_t nb_outputs,
+                                            nvinfer1::IExprBuilder& expr_builder) noexcept {
+  return guarded(layer_name_.c_str(), "getOutputShapes", int32_t{-1}, [&] {
+    check_counts(fields_, nb_inputs, nb_outputs);
+    MOESPEC_CHECK_ARG(inputs != nullptr && outputs != nullptr, "inputs", "no dimension arrays given");
+    const DimsExprs& logits = inputs[fields_.input_index(RouteExpertsInput::kRouterLogits)];
+    MOESPEC_CHECK_ARG(logits.nbDims == 2, "router_logits", "expected a 2-d tensor [T, N], got ", logits.nbDims,
+                      " dims");
+    const IDimensionExpr* T = logits.d[0];
+    const IDimensionExpr* N = logits.d[1];
+    const IDimensionExpr* K = expr_builder.constant(fields_.top_k);
+    const IDimensionExpr* S = expr_builder.constant(kRoutingStatsSize);
+    if (K == nullptr || S == nullptr) throw_runtime("IExprBuilder::constant returned nothing");
+    DimsExprs& ids = outputs[idx(RouteExpertsOutput::kIds)];
+    ids.nbDims = 2;  // [T, K]
+    ids.d[0] = T;
+    ids.d[1] = K;
+    DimsExprs& weights = outputs[idx(RouteExpertsOutput::kWeights)];
+    weights.nbDims = 2;  // [T, K]
+    weights.d[0] = T;
+    weights.d[1] = K;
+    DimsExprs& active = outputs[idx(RouteExpertsOutput::kActive)];
+    active.nbDims = 1;  // [N]
+    active.d[0] = N;
+    DimsExprs& stats = outputs[idx(RouteExpertsOutput::kStats)];
+    stats.nbDims = 1;  // [4]
+    stats.d[0] = S;
+    return int32_t{0};
+  });
+}
+
+bool RouteExpertsPlugin::supportsFormatCombination(int32_t pos, const DynamicPluginTensorDesc* in_out,
+                                                   int32_t nb_inputs, int32_t nb_outputs) noexcept {
+  return guarded(layer_name_.c_str(), "supportsFormatCombination", false, [&] {
+    check_counts(fields_, nb_inputs, nb_outputs);
+    MOESPEC_CHECK_ARG(in_out != nullptr && pos >= 0 && pos < nb_inputs + nb_outputs, "pos", "position ", pos,
+                      " outside the ", nb_inputs + nb_outputs, " tensors");
+    const PluginTensorDesc& desc = in_out[pos].desc;
+    if (desc.format != nvinfer1::TensorFormat::kLINEAR) return false;
+    const DataType type = desc.type;
+    if (pos == fields_.input_index(RouteExpertsInput::kRouterLogits))
+      return type == DataType::kFLOAT || type == DataType::kBF16 || type == DataType::kHALF;
+    if (pos < nb_inputs) return type == DataType::kFLOAT;  // bias, token_weights
+    return type == (pos - nb_inputs == idx(RouteExpertsOutput::kWeights) ? DataType::kFLOAT : DataType::kINT32);
+  });
+}
+
+size_t RouteExpertsPlugin::getWorkspaceSize(const DynamicPluginTensorDesc* inputs, int32_t nb_inputs,
+                                            const DynamicPluginTensorDesc*, int32_t nb_outputs) const noexcept {
+  return guarded(layer_name_.c_str(), "getWorkspaceSize", size_t{0}, [&] {
+    check_counts(fields_, nb_inputs, nb_outputs);
+    MOESPEC_CHECK_ARG(inputs != nullptr, "inputs", "no tensor descriptions given");
+    const nvinfer1::Dims& max = inputs[fields_.input_index(RouteExpertsInput::kRouterLogits)].max;  // [T, N]
+    MOESPEC_CHECK_ARG(max.nbDims == 2, "router_logits", "expected a 2-d tensor [T, N], got ", max.nbDims, " dims");
+    return cuda::route_experts_workspace_size(max.d[0], max.d[1], fields_.top_k);
+  });
+}
+
+int32_t RouteExpertsPlugin::onShapeChange(const PluginTensorDesc* in, int32_t nb_inputs, const PluginTensorDesc* out,
+                                          int32_t nb_outputs) noexcept {
+  return guarded(layer_name_.c_str(), "onShapeChange", int32_t{-1}, [&] {
+    check_counts(fields_, nb_inputs, nb_outputs);
+    MOESPEC_CHECK_ARG(in != nullptr && out != nullptr, "inputs", "no tensor descriptions given");
+    return int32_t{0};  // nothing to precompute: enqueue reads the shapes it gets
+  });
+}
+
+int32_t RouteExpertsPlugin::enqueue(const PluginTensorDesc* input_desc, const PluginTensorDesc* output_desc,
+                                    const void* const* inputs, void* const* outputs, void* workspace,
+                                    cudaStream_t stream) noexcept {
+  return guarded(layer_name_.c_str(), "enqueue", int32_t{-1}, [&] {
+    MOESPEC_CHECK_ARG(input_desc != nullptr && output_desc != nullptr && inputs != nullptr && outputs != nullptr,
+                      "inputs", "no tensors given");
+    int device = 0;
+    const cudaError_t status = cudaGetDevice(&device);
+    if (status != cudaSuccess) throw_runtime("cudaGetDevice failed: ", cudaGetErrorString(status));
+    const RouteExpertsArgs args = make_args(fields_, input_desc, inputs, output_desc, outputs, device);
+    const int64_t T = args.router_logits.shape[0];
+    const int64_t N = args.router_logits.shape[1];
+    cuda::route_experts(args, workspace, cuda::route_experts_workspace_size(T, N, fields_.top_k),
+                        static_cast<void*>(stream));
+    return int32_t{0};
+  });
+}
+
+nvinfer1::IPluginV3* RouteExpertsPlugin::attachToContext(nvinfer1::IPluginResourceContext*) noexcept {
+  return clone();  // no per-context resources
+}
+
+const PluginFieldCollection* RouteExpertsPlugin::getFieldsToSerialize() noexcept {
+  return guarded(layer_name_.c_str(), "getFieldsToSerialize", static_cast<const PluginFieldCollection*>(nullptr), [&] {
+    serialized_ = to_plugin_fields(fields_);
+    serialized_collection_.nbFields = static_cast<int32_t>(serialized_.size());
+    serialized_collection_.fields = serialized_.data();
+    return static_cast<const PluginFieldCollection*>(&serialized_collection_);
+  });
+}
+
+// ---- RouteExpertsPluginCreator ------------------------------------------------------------------
+
+RouteExpertsPluginCreator::RouteExpertsPluginCreator() : field_names_(to_plugin_fields(RouteExpertsFields{})) {
+  for (PluginField& field : field_names_) field.data = nullptr;  // names and types only
+  field_names_collection_.nbFields = static_cast<int32_t>(field_names_.size());
+  field_names_collection_.fields = field_names_.data();
+}
+
+nvinfer1::IPluginV3* RouteExpertsPluginCreator::createPlugin(const char* name, const PluginFieldCollection* fc,
+                                                              nvinfer1::TensorRTPhase) noexcept {
+  return guarded(name, "createPlugin", static_cast<nvinfer1::IPluginV3*>(nullptr), [&]() -> nvinfer1::IPluginV3* {
+    return new RouteExpertsPlugin(RouteExpertsFields::from_collection(fc), namespace_, name != nullptr ? name : "");
+  });
+}
+
+}  // namespace trt
+}  // namespace moespec

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One command for a machine with an NVIDIA GPU: build moespec with its CUDA kernels, run the C++
+# tests, the GPU tests (CUDA against the CPU reference, tests/gpu/test_*.py) and the timing table
+# of route_experts (tests/gpu/bench_route_experts_cuda.py). DESIGN.md "What can run where".
+#
+#   tests/gpu/run.sh
+#
+# Needs: nvcc, and a python3 with torch (CUDA build), pybind11, cmake, ninja, pytest, hypothesis,
+# numpy; installs nothing (such machines may have no network). Builds into build-gpu/ (the module
+# lands in python/moespec, -DMOESPEC_INPLACE=ON). Environment: CUDA_ARCHS (default 90a, for the
+# H100/H200), JOBS (default: all cores). Logs go to $OUT when set, else to build-gpu/logs.
+# Takes about 2-4 minutes on an H200 (mostly the build).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+BUILD=build-gpu
+LOGS=${OUT:-$BUILD/logs}
+mkdir -p "$LOGS"
+PY=$(command -v python3)
+log() { printf '\033[1m[tests/gpu/run.sh]\033[0m %s\n' "$*"; }
+status=0  # a failing test step still lets the later steps run; the script then exits non-zero
+
+log "configure ($BUILD, CUDA architectures ${CUDA_ARCHS:-90a}) -> $LOGS/configure.log"
+cmake -S . -B "$BUILD" -G Ninja -DPython_EXECUTABLE="$PY" -DMOESPEC_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DMOESPEC_INPLACE=ON -DCMAKE_BUILD_TYPE=Release \
+  2>&1 | tee "$LOGS/configure.log"
+
+log "build -> $LOGS/build.log"
+cmake --build "$BUILD" -j "${JOBS:-$(nproc)}" 2>&1 | tee "$LOGS/build.log"
+
+log "C++ tests (ctest) -> $LOGS/ctest.log"
+(cd "$BUILD" && ctest --output-on-failure) 2>&1 | tee "$LOGS/ctest.log" || status=1
+
+log "GPU tests (pytest tests/gpu) -> $LOGS/pytest.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$LOGS/pytest.log" || true
+PYTHONPATH=python "$PY" -m pytest -q tests/gpu 2>&1 | tee -a "$LOGS/pytest.log" || status=1
+
+log "timing (tests/gpu/bench_route_experts_cuda.py) -> $LOGS/bench.log"
+PYTHONPATH=python "$PY" tests/gpu/bench_route_experts_cuda.py 2>&1 | tee "$LOGS/bench.log" || status=1
+
+if [[ $status == 0 ]]; then log "all passed; logs in $LOGS"; else log "FAILED (see above); logs in $LOGS"; fi
+exit $status
