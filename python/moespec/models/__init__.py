@@ -1,0 +1,66 @@
+"""Target models: loading local checkpoints and the runtime forward pass (prefill, decode, verify).
+
+>>> model = moespec.models.load("path/to/Qwen3MoeForCausalLM-folder", dtype="bf16")  # doctest: +SKIP
+>>> cache = model.new_cache(batch=2, max_len=512)                                    # doctest: +SKIP
+>>> out = model.prefill(cache, [[1, 2, 3], [4, 5]])        # logits [2, V] of each last token
+>>> out = model.decode(cache, [7, 8])                      # one token each
+>>> out = model.verify(cache, tokens=[[9, 10, 11], [12]], parents=[[-1, 0, 0], [-1]],
+...                    budget=moespec.ops.ExpertBudget(16))  # trees; logits [2, 3, V]
+>>> model.commit(cache, [[0, 2], [0]])                     # keep root+node 2, and the root
+
+Supported architectures: see :data:`moespec.models.families.BY_ARCHITECTURE`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Sequence
+
+import torch
+
+from moespec.models.cache import KVCache
+from moespec.models.checkpoint import Checkpoint
+from moespec.models.config import ModelConfig, MoeConfig, RawConfig, RopeConfig
+from moespec.models.families import BY_ARCHITECTURE, family_for
+from moespec.models.runtime import ForwardOutput, TargetModel
+from moespec.models.weights import ModelWeights, load_weights
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The typed config of a checkpoint folder (reads config.json only)."""
+    ckpt = Checkpoint(path)
+    return _parse(ckpt)
+
+
+def _parse(ckpt: Checkpoint) -> ModelConfig:
+    raw = RawConfig(ckpt.config, str(ckpt.folder / "config.json"))
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise raw.fail("architectures", "missing: cannot tell which model family this is")
+    family = family_for(archs[0])
+    return family.parse_config(raw, archs[0])
+
+
+def load(path: str | Path, dtype: Literal["bf16", "fp32"] = "bf16", *, taps: Sequence[int] = (),
+         progress: bool = False) -> TargetModel:
+    """Loads a local Hugging Face checkpoint folder (config.json + safetensors, single or sharded).
+
+    The weights are converted once into the runtime layout (:mod:`moespec.models.weights`) in
+    ``dtype``. An unknown architecture, a missing or mis-shaped tensor or a config the runtime cannot
+    honour raises ValueError naming it.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"load: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    ckpt = Checkpoint(path)
+    config = _parse(ckpt)
+    family = BY_ARCHITECTURE[config.architecture]
+    weights = load_weights(ckpt, config, family.names, DTYPES[dtype], progress=progress)
+    return TargetModel(config, weights, taps=taps)
+
+
+__all__ = [
+    "Checkpoint", "ForwardOutput", "KVCache", "ModelConfig", "ModelWeights", "MoeConfig", "RopeConfig",
+    "TargetModel", "load", "read_config",
+]

@@ -1,0 +1,182 @@
+"""Typed configuration of a target model, parsed once from a checkpoint's ``config.json``.
+
+Every family file (:mod:`moespec.models.families`) turns its raw config dict into a
+:class:`ModelConfig`; nothing downstream reads the raw dict. A config the runtime cannot honour
+(an unknown activation, a rope scaling it does not implement, sliding-window attention) is a
+``ValueError`` naming the field.
+
+Dimensions: L layers, H hidden, Hq query heads, Hkv key/value heads, D head dim, I intermediate
+size, E experts, K top-k, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+
+from moespec.ops import RouterSpec
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding: ``default``, ``linear`` (position interpolation) or ``llama3``."""
+
+    theta: float
+    kind: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """float32 [D/2], computed as transformers computes it (same ops, same rounding)."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+        if self.kind == "linear":
+            inv = inv / self.factor
+        elif self.kind == "llama3":
+            low_wavelen = self.original_max_position / self.low_freq_factor
+            high_wavelen = self.original_max_position / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+            inv = torch.where(medium, smoothed, scaled)
+        return inv
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The MoE feed-forward of a model."""
+
+    num_experts: int  # E
+    top_k: int  # K
+    intermediate_size: int  # I of one expert
+    router: RouterSpec
+    layers: tuple[int, ...]  # decoder layers whose feed-forward is MoE
+    weights_in_model_dtype: bool  # routing weights cast to the model dtype before scaling (Qwen3, OLMoE)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the runtime needs to know about a target model's shape and arithmetic."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense feed-forward size (dense layers; 0 if every layer is MoE)
+    rms_norm_eps: float
+    rope: RopeConfig
+    qk_norm: Literal["none", "per_head", "full"]  # Qwen3: RMSNorm per head; OLMoE: over the projection
+    attention_bias: bool
+    clip_qkv: Optional[float]
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    moe: Optional[MoeConfig]
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: Optional[int] = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.layers
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.moe.layers if self.moe is not None else ()
+
+
+class RawConfig:
+    """Typed access to a raw ``config.json`` dict with errors that name the field."""
+
+    def __init__(self, raw: dict[str, Any], source: str = "config.json"):
+        self.raw = raw
+        self.source = source
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.raw.get(key, default)
+        return default if value is None else value
+
+    def require(self, key: str, kind: type = int) -> Any:
+        if key not in self.raw or self.raw[key] is None:
+            raise ValueError(f"{self.source}: required field '{key}' is missing")
+        value = self.raw[key]
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.source}: field '{key}' must be {kind.__name__}, got {value!r}") from None
+
+    def require_any(self, *keys: str) -> int:
+        """The first of ``keys`` present (configs name some fields differently across versions)."""
+        for key in keys:
+            if self.raw.get(key) is not None:
+                return self.require(key)
+        raise ValueError(f"{self.source}: required field '{keys[0]}' is missing")
+
+    def fail(self, key: str, message: str) -> ValueError:
+        return ValueError(f"{self.source}: field '{key}': {message}")
+
+
+def parse_rope(cfg: RawConfig) -> RopeConfig:
+    """Rope settings from transformers 5's ``rope_parameters`` or 4.x's ``rope_theta``/``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling")
+    if scaling:
+        params = {**params, **scaling}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise cfg.fail("partial_rotary_factor", "partial rotary embeddings are not supported")
+    if kind == "default":
+        return RopeConfig(theta)
+    if kind == "linear":
+        return RopeConfig(theta, "linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeConfig(
+            theta,
+            "llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    raise cfg.fail("rope_parameters", f"rope_type={kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def parse_common(cfg: RawConfig, architecture: str) -> dict[str, Any]:
+    """The fields every decoder family shares, as ModelConfig keyword arguments."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise cfg.fail("hidden_act", f"only 'silu' feed-forwards are supported, got {act!r}")
+    hidden = cfg.require("hidden_size")
+    heads = cfg.require("num_attention_heads")
+    head_dim = cfg.get("head_dim") or hidden // heads
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((int(eos),) if eos is not None else ())
+    return dict(
+        architecture=architecture,
+        model_type=cfg.require("model_type", str),
+        vocab_size=cfg.require("vocab_size"),
+        hidden_size=hidden,
+        num_layers=cfg.require("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(head_dim),
+        intermediate_size=int(cfg.get("intermediate_size", 0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=parse_rope(cfg),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        clip_qkv=cfg.get("clip_qkv"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        eos_token_ids=eos_ids,
+        bos_token_id=cfg.get("bos_token_id"),
+    )

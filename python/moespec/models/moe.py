@@ -1,0 +1,44 @@
+"""The MoE feed-forward of a layer: route (with an optional expert budget), then run the experts.
+
+``moe_forward`` is the runtime's entry point; it routes with :func:`moespec.ops.route_experts`
+and runs the experts through :func:`experts_reference`, a plain loop over the active experts in
+ascending id that reads each active expert once and rounds as transformers' ``eager`` experts do
+(so that bf16 results match it). Issue #4's fast CPU kernel plugs in behind the same call.
+
+Dimensions: P tokens of the layer, H hidden, E experts, K top-k, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from moespec.models.config import MoeConfig
+from moespec.models.weights import LayerWeights
+from moespec.ops import ExpertBudget, Routing, route_experts
+
+
+def experts_reference(x: torch.Tensor, routing: Routing, layer: LayerWeights, moe: MoeConfig) -> torch.Tensor:
+    """sum_k weight[t, k] * expert_{ids[t, k]}(x[t]) for every token t; [P, H] in x's dtype."""
+    I = moe.intermediate_size
+    gate_up, down = layer.expert_gate_up(I), layer.expert_down(I)  # [E, 2I, H], [E, H, I]
+    weights = routing.weights.to(x.dtype) if moe.weights_in_model_dtype else routing.weights  # [P, K]
+    out = torch.zeros_like(x)  # [P, H]
+    for e in routing.active.tolist():
+        token, slot = torch.where(routing.ids == e)
+        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def moe_forward(
+    x: torch.Tensor, layer: LayerWeights, moe: MoeConfig, budget: Optional[ExpertBudget] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes the P tokens of ``x`` [P, H] (together: the budget is per layer per batch) and runs the
+    experts. Returns the feed-forward output [P, H] and the routing stats int32 [4]."""
+    logits = F.linear(x, layer.router)  # [P, E], in the model dtype as transformers computes it
+    routing = route_experts(logits, moe.router, budget)
+    return experts_reference(x, routing, layer, moe), routing.stats_tensor

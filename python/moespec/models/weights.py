@@ -1,0 +1,147 @@
+"""The runtime's weight layout, and its conversion from a Hugging Face checkpoint.
+
+Layout (what the forward pass and, later, engine folders use):
+- attention: q, k and v projections fused into one ``qkv`` matrix [(Hq + 2 Hkv) D, H] (one GEMM);
+- dense feed-forward: ``gate_up`` [2 I, H] (gate rows, then up rows) and ``down`` [H, I];
+- MoE feed-forward: the router [E, H] and **one contiguous block per expert**,
+  ``experts`` [E, 3 I H] = for each expert its gate [I, H], up [I, H] and down [H, I], row-major,
+  so reading one expert is one sequential read (DESIGN.md "Contracts", engine folder).
+Every tensor's shape is checked against the config; a missing or mis-shaped tensor is a ValueError
+naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from moespec.models.checkpoint import Checkpoint
+from moespec.models.config import ModelConfig
+from moespec.models.families.base import TensorNames
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv_bias: Optional[torch.Tensor]  # [(Hq + 2 Hkv) D]
+    q_norm: Optional[torch.Tensor]  # [D] (per_head) or [Hq D] (full)
+    k_norm: Optional[torch.Tensor]  # [D] (per_head) or [Hkv D] (full)
+    o: torch.Tensor  # [H, Hq D]
+    o_bias: Optional[torch.Tensor]  # [H]
+    post_norm: torch.Tensor  # [H]
+    gate_up: Optional[torch.Tensor] = None  # dense: [2 I, H]
+    down: Optional[torch.Tensor] = None  # dense: [H, I]
+    router: Optional[torch.Tensor] = None  # MoE: [E, H]
+    experts: Optional[torch.Tensor] = None  # MoE: [E, 3 I H]
+
+    def expert_gate_up(self, intermediate: int) -> torch.Tensor:
+        """View [E, 2 I, H] of every expert's gate and up rows (no copy)."""
+        E, block = self.experts.shape
+        H = block // (3 * intermediate)
+        return self.experts.as_strided((E, 2 * intermediate, H), (block, H, 1))
+
+    def expert_down(self, intermediate: int) -> torch.Tensor:
+        """View [E, H, I] of every expert's down matrix (no copy)."""
+        E, block = self.experts.shape
+        H = block // (3 * intermediate)
+        return self.experts.as_strided((E, H, intermediate), (block, intermediate, 1), 2 * intermediate * H)
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    dtype: torch.dtype = field(default=torch.float32)
+
+
+class _Reader:
+    """Fetches tensors by name with shape checks, converted to the runtime dtype."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype):
+        self.ckpt, self.dtype = ckpt, dtype
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        t = self.ckpt.get(name)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{self.ckpt.folder}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{self.ckpt.folder}: tensor {name!r} has dtype {t.dtype}, expected a float type")
+        return t.to(dtype or self.dtype).contiguous()
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
+        return self(name, shape) if name in self.ckpt else None
+
+
+def _experts(read: _Reader, ckpt: Checkpoint, names: TensorNames, prefix: str, E: int, I: int, H: int) -> torch.Tensor:
+    """[E, 3 I H]: each expert's gate, up, down as one contiguous block."""
+    out = torch.empty(E, 3 * I * H, dtype=read.dtype)
+    fused = prefix + names.fused_gate_up
+    if fused in ckpt:  # transformers 5's fused 3-D layout
+        gate_up = read(fused, (E, 2 * I, H))
+        down = read(prefix + names.fused_down, (E, H, I))
+        out[:, : 2 * I * H] = gate_up.reshape(E, -1)
+        out[:, 2 * I * H :] = down.reshape(E, -1)
+        return out
+    gate_name, up_name, down_name = names.expert_proj
+    for e in range(E):
+        expert = prefix + names.expert.replace("{e}", str(e))
+        out[e, : I * H] = read(expert.format(proj=gate_name), (I, H)).reshape(-1)
+        out[e, I * H : 2 * I * H] = read(expert.format(proj=up_name), (I, H)).reshape(-1)
+        out[e, 2 * I * H :] = read(expert.format(proj=down_name), (H, I)).reshape(-1)
+    return out
+
+
+def load_weights(ckpt: Checkpoint, cfg: ModelConfig, names: TensorNames, dtype: torch.dtype,
+                 progress: bool = False) -> ModelWeights:
+    """Reads and converts every tensor the runtime needs (shape-checked) into its layout."""
+    read = _Reader(ckpt, dtype)
+    H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
+    layers = []
+    for i in tqdm(range(cfg.num_layers), desc="loading layers", disable=not progress, leave=False):
+        attn = names.attn.format(i=i)
+        q = read(attn + "q_proj.weight", (Hq * D, H))
+        k = read(attn + "k_proj.weight", (Hkv * D, H))
+        v = read(attn + "v_proj.weight", (Hkv * D, H))
+        bias = None
+        if cfg.attention_bias:
+            bias = torch.cat([read(attn + f"{p}_proj.bias", (n * D,)) for p, n in (("q", Hq), ("k", Hkv), ("v", Hkv))])
+        q_norm = k_norm = None
+        if cfg.qk_norm == "per_head":
+            q_norm, k_norm = read(names.q_norm.format(i=i), (D,)), read(names.k_norm.format(i=i), (D,))
+        elif cfg.qk_norm == "full":
+            q_norm, k_norm = read(names.q_norm.format(i=i), (Hq * D,)), read(names.k_norm.format(i=i), (Hkv * D,))
+        layer = LayerWeights(
+            input_norm=read(names.input_norm.format(i=i), (H,)),
+            qkv=torch.cat([q, k, v]),
+            qkv_bias=bias,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            o=read(attn + "o_proj.weight", (H, Hq * D)),
+            o_bias=read(attn + "o_proj.bias", (H,)) if cfg.attention_bias else None,
+            post_norm=read(names.post_norm.format(i=i), (H,)),
+        )
+        if cfg.is_moe_layer(i):
+            moe = names.moe.format(i=i)
+            E, I = cfg.moe.num_experts, cfg.moe.intermediate_size
+            layer.router = read(moe + names.router, (E, H))
+            layer.experts = _experts(read, ckpt, names, moe, E, I, H)
+        else:
+            mlp, I = names.mlp.format(i=i), cfg.intermediate_size
+            layer.gate_up = torch.cat([read(mlp + "gate_proj.weight", (I, H)), read(mlp + "up_proj.weight", (I, H))])
+            layer.down = read(mlp + "down_proj.weight", (H, I))
+        layers.append(layer)
+    embed = read(names.embed, (V, H))
+    if cfg.tie_word_embeddings or names.lm_head not in ckpt:
+        if not cfg.tie_word_embeddings:
+            raise ValueError(f"{ckpt.folder}: tensor {names.lm_head!r} is missing (and tie_word_embeddings is false)")
+        lm_head = embed
+    else:
+        lm_head = read(names.lm_head, (V, H))
+    return ModelWeights(embed=embed, layers=layers, final_norm=read(names.final_norm, (H,)), lm_head=lm_head,
+                        dtype=dtype)
