@@ -173,13 +173,14 @@ class TargetModel:
             raise ValueError("commit: no verified tree is pending (call verify first)")
         if len(accepted) != cache.batch:
             raise ValueError(f"commit: accepted has {len(accepted)} paths, the cache holds {cache.batch} requests")
-        for b, (path, ps) in enumerate(zip(accepted, cache.pending.parents)):
-            path = [int(i) for i in path]
-            if path and path[0] != 0:
-                raise ValueError(f"commit: request {b}: a path starts at the root (node 0), got {path[0]}")
+        paths = [[int(i) for i in path] for path in accepted]
+        for b, (path, ps) in enumerate(zip(paths, cache.pending.parents)):  # check all before moving any
+            if path and (path[0] != 0 or not ps):
+                raise ValueError(f"commit: request {b}: a path starts at the root (node 0) of its tree, got {path[0]}")
             for prev, node in zip(path, path[1:]):
                 if not 0 <= node < len(ps) or ps[node] != prev:
                     raise ValueError(f"commit: request {b}: node {node} is not a child of node {prev}")
+        for b, path in enumerate(paths):
             if path:
                 start = cache.lengths[b]
                 src = torch.tensor(path) + start

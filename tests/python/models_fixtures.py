@@ -1,0 +1,134 @@
+"""Tiny random checkpoints written by transformers itself, and transformers-side references.
+
+The checkpoints come from transformers' own ``save_pretrained``, so the reference is independent
+of moespec's loader; the reference forward is transformers' model with
+``experts_implementation="eager"`` (bit-exact MoE arithmetic, REFERENCE.md section 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+V = 128  # vocabulary of the tiny models
+
+CONFIGS = {
+    # Qwen3-MoE with a dense layer in the middle (mlp_only_layers) and renormalised top-k.
+    "qwen3_moe": (Qwen3MoeForCausalLM, lambda: Qwen3MoeConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.1, rope_theta=1000.0)),
+    "mixtral": (MixtralForCausalLM, lambda: MixtralConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2)),
+    # OLMoE with q/k norms over the projections and clip_qkv.
+    "olmoe": (OlmoeForCausalLM, lambda: OlmoeConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=16, num_experts_per_tok=4, clip_qkv=0.5, initializer_range=0.1,
+        eos_token_id=2, pad_token_id=1)),
+    # Dense Llama with GQA (one kv head), tied embeddings and llama3 rope scaling.
+    "llama": (LlamaForCausalLM, lambda: LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, tie_word_embeddings=True, initializer_range=0.1,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+}
+FAMILIES = list(CONFIGS)
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
+
+
+def write_checkpoint(family: str, folder: Path, seed: int = 0, **save_kwargs) -> Path:
+    cls, make_config = CONFIGS[family]
+    torch.manual_seed(seed)
+    model = cls(make_config())
+    model.save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+def reference(path: Path, dtype=torch.float32):
+    kwargs = {"experts_implementation": "eager"} if "llama" not in str(path) else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """bool [T, T]: node i sees node j iff j is i or one of its ancestors."""
+    T = len(parents)
+    vis = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+    return vis
+
+
+def depths(parents: list[int]) -> list[int]:
+    out = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
+@torch.no_grad()
+def hf_tree_logits(hf, prompt: list[int], tree: list[int], parents: list[int], budget=None,
+                   record: Optional[list] = None) -> torch.Tensor:
+    """transformers' logits [T, V] for a tree after a prompt: the prompt through its cache, then the
+    tree in one pass with a custom 4-D mask (ancestors only) and positions prompt length + depth.
+    With ``budget``, the tree pass routes through :func:`budgeted_moe_blocks`."""
+    L, T = len(prompt), len(tree)
+    out = hf(torch.tensor([prompt]), use_cache=True)
+    full = torch.cat([torch.ones(T, L, dtype=torch.bool), ancestor_mask(parents)], dim=1)
+    mask = torch.zeros(1, 1, T, L + T, dtype=hf.dtype).masked_fill(~full, float("-inf"))
+    positions = torch.tensor([[L + d for d in depths(parents)]])
+    blocks = budgeted_moe_blocks(hf, budget, record) if budget is not None else []
+    try:
+        return hf(torch.tensor([tree]), cache=out.past_key_values, attention_mask=mask,
+                  position_ids=positions).logits[0]
+    finally:
+        for block in blocks:
+            del block.forward  # back to the class's forward
+
+
+def budgeted_moe_blocks(hf, budget, record: Optional[list] = None) -> list:
+    """Patches every MoE block of a transformers model to route with the plain-torch reference of the
+    budget semantics (moespec.ops.reference) on the tokens of each call; transformers' eager experts
+    then skip dropped slots (id N). Appends each call's RoutingStats to ``record``. Returns the
+    patched blocks (``del block.forward`` restores one)."""
+    from moespec.ops import RouterSpec
+    from moespec.ops.reference import route_experts_reference
+
+    spec = RouterSpec.from_config(hf.config)
+    blocks = []
+    for layer in hf.model.layers:
+        block = getattr(layer, "mlp", None)
+        if block is None or not hasattr(block, "experts"):
+            continue
+
+        def forward(hidden_states, block=block):
+            B, T, H = hidden_states.shape
+            x = hidden_states.reshape(-1, H)
+            logits = torch.nn.functional.linear(x, block.gate.weight)
+            ids, weights, _, stats = route_experts_reference(logits, spec, budget)
+            if record is not None:
+                record.append(stats)
+            if hf.config.model_type != "mixtral":
+                weights = weights.to(x.dtype)
+            return block.experts(x, ids.long(), weights).reshape(B, T, H)
+
+        block.forward = forward
+        blocks.append(block)
+    return blocks
