@@ -1,12 +1,14 @@
 """Target models: loading local checkpoints and the runtime forward pass (prefill, decode, verify).
 
->>> model = moespec.models.load("path/to/Qwen3MoeForCausalLM-folder", dtype="bf16")  # doctest: +SKIP
->>> cache = model.new_cache(batch=2, max_len=512)                                    # doctest: +SKIP
->>> out = model.prefill(cache, [[1, 2, 3], [4, 5]])        # logits [2, V] of each last token
->>> out = model.decode(cache, [7, 8])                      # one token each
->>> out = model.verify(cache, tokens=[[9, 10, 11], [12]], parents=[[-1, 0, 0], [-1]],
-...                    budget=moespec.ops.ExpertBudget(16))  # trees; logits [2, 3, V]
->>> model.commit(cache, [[0, 2], [0]])                     # keep root+node 2, and the root
+Example::
+
+    model = moespec.models.load("path/to/Qwen3MoeForCausalLM-folder", dtype="bf16", taps=(2, 23, 44))
+    cache = model.new_cache(batch=2, max_len=512)
+    out = model.prefill(cache, [[1, 2, 3], [4, 5]])          # logits [2, V] of each last token
+    out = model.decode(cache, [7, 8])                        # one token each, logits [2, V]
+    out = model.verify(cache, tokens=[[9, 10, 11], [12]], parents=[[-1, 0, 0], [-1]],
+                       budget=moespec.ops.ExpertBudget(16))  # one tree each; logits [2, 3, V]
+    model.commit(cache, [[0, 2], [0]])                       # keep root + node 2, and the root
 
 Supported architectures: see :data:`moespec.models.families.BY_ARCHITECTURE`.
 """

@@ -22,15 +22,24 @@ from moespec.ops import ExpertBudget, Routing, route_experts
 
 def experts_reference(x: torch.Tensor, routing: Routing, layer: LayerWeights, moe: MoeConfig) -> torch.Tensor:
     """sum_k weight[t, k] * expert_{ids[t, k]}(x[t]) for every token t; [P, H] in x's dtype."""
-    I = moe.intermediate_size
+    E, K, I = moe.num_experts, moe.top_k, moe.intermediate_size
     gate_up, down = layer.expert_gate_up(I), layer.expert_down(I)  # [E, 2I, H], [E, H, I]
     weights = routing.weights.to(x.dtype) if moe.weights_in_model_dtype else routing.weights  # [P, K]
+    flat = routing.ids.reshape(-1)  # [P K]
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, ascending id (dropped slots last)
+    counts = torch.bincount(flat, minlength=E + 1)[:E].tolist()
+    token = order // K  # [P K]
+    xs, ws = x[token], weights.reshape(-1)[order]
     out = torch.zeros_like(x)  # [P, H]
-    for e in routing.active.tolist():
-        token, slot = torch.where(routing.ids == e)
-        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[e]) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gate, up = F.linear(xs[rows], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * ws[rows, None]
+        out.index_add_(0, token[rows], y.to(out.dtype))
+        start += n
     return out
 
 

@@ -216,34 +216,28 @@ class TargetModel:
         B, T = len(seqs), max(len(s) for s in seqs)
         num = [len(s) for s in seqs]
         starts = list(cache.lengths)
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        depth = torch.zeros(B, T, dtype=torch.long)
-        relation = torch.zeros(B, T, T, dtype=torch.bool)  # [b, i, j]: new token i sees new token j
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        for b, s in enumerate(seqs):
-            n = len(s)
-            if n == 0:
-                continue
-            tokens[b, :n] = torch.tensor(s)
-            if parents is None:
-                depth[b, :n] = torch.arange(n)
-                relation[b, :n, :n] = causal[:n, :n]
-            else:
-                ps = parents[b]
-                for i in range(n):  # ancestor-or-self rows, built from the parent's row
-                    if i:
-                        relation[b, i] = relation[b, ps[i]]
-                        depth[b, i] = depth[b, ps[i]] + 1
-                    relation[b, i, i] = True
-        start = torch.tensor(starts)
-        count = torch.tensor(num)
-        valid = torch.arange(T)[None, :] < count[:, None]  # [B, T]
+        tokens = torch.tensor([s + [0] * (T - len(s)) for s in seqs])  # [B, T]
+        start, count = torch.tensor(starts), torch.tensor(num)
+        index = torch.arange(T)
+        valid = index[None, :] < count[:, None]  # [B, T]
         S = max(s + n for s, n in zip(starts, num))
         slot = torch.arange(S)
         prefix = slot[None, :] < start[:, None]  # [B, S]
         rel = slot[None, :] - start[:, None]  # [B, S]: index among the new tokens
-        in_new = (rel >= 0) & (rel < count[:, None])
-        new_vis = torch.gather(relation, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S)) & in_new[:, None, :]
+        in_new = (rel >= 0) & (rel < count[:, None])  # [B, S]
+        if parents is None:  # sequences: causal among the new tokens
+            depth = index.expand(B, T)
+            new_vis = in_new[:, None, :] & (rel[:, None, :] <= index[None, :, None])  # [B, T, S]
+        else:  # trees: ancestor-or-self rows, each built from its parent's row
+            depth = torch.zeros(B, T, dtype=torch.long)
+            relation = torch.zeros(B, T, T, dtype=torch.bool)  # [b, i, j]: node i sees node j
+            for b, ps in enumerate(parents):
+                for i, p in enumerate(ps):
+                    if i:
+                        relation[b, i] = relation[b, p]
+                        depth[b, i] = depth[b, p] + 1
+                    relation[b, i, i] = True
+            new_vis = torch.gather(relation, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S)) & in_new[:, None, :]
         visible = prefix[:, None, :] | new_vis  # [B, T, S]
         visible[:, :, 0] |= ~valid  # padded queries look at one slot (their output is discarded)
         rows, cols = valid.nonzero(as_tuple=True)
