@@ -58,6 +58,8 @@ install_dev() {
   local site
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$ROOT/python" >"$site/moespec-dev.pth"
+  printf '#!/bin/sh\nexec "%s" -m moespec "$@"\n' "$VENV/bin/python" >"$VENV/bin/moespec"
+  chmod +x "$VENV/bin/moespec"
 }
 
 build_all() {

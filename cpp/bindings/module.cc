@@ -13,37 +13,19 @@
 
 #include "moespec/cpu_isa.h"
 #include "moespec/error.h"
+#include "moespec/moe_experts.h"
 #include "moespec/route_experts.h"
+#include "moespec/thread_pool.h"
 #include "moespec/tensor_view.h"
+#include "tensor_arg.h"
 
 namespace py = pybind11;
 
 namespace moespec {
-namespace {
 
-TensorView to_view(const py::object& desc, const char* arg) {
-  TensorView v;
-  if (desc.is_none()) return v;
-  auto t = desc.cast<py::tuple>();
-  MOESPEC_CHECK_ARG(t.size() == 6, arg, "malformed tensor descriptor");
-  v.data = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
-  const int code = t[1].cast<int>();
-  MOESPEC_CHECK_ARG(code >= 0 && code <= static_cast<int>(DType::kUInt8), arg, "unsupported dtype code ", code);
-  v.dtype = static_cast<DType>(code);
-  auto shape = t[2].cast<py::tuple>();
-  auto strides = t[3].cast<py::tuple>();
-  MOESPEC_CHECK_ARG(shape.size() <= static_cast<std::size_t>(TensorView::kMaxDims), arg, "at most ",
-                    TensorView::kMaxDims, " dims are supported, got ", shape.size());
-  MOESPEC_CHECK_ARG(strides.size() == shape.size(), arg, "shape and strides differ in length");
-  v.ndim = static_cast<int32_t>(shape.size());
-  for (int d = 0; d < v.ndim; ++d) {
-    v.shape[d] = shape[d].cast<int64_t>();
-    v.strides[d] = strides[d].cast<int64_t>();
-  }
-  v.device = t[4].cast<int>() == 1 ? Device::kCUDA : Device::kCPU;
-  v.device_index = t[5].cast<int32_t>();
-  return v;
-}
+void bind_draft_tree(py::module_& m);  // cpp/bindings/draft_tree.cc
+
+namespace {
 
 CpuIsa isa_from_name(const std::string& name) {
   for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512})
@@ -87,6 +69,27 @@ void route_experts_binding(const py::object& router_logits, const py::object& bi
   }
 }
 
+void moe_experts_binding(const py::object& x, const py::object& ids, const py::object& weights,
+                         const py::object& experts, const py::object& biases, const py::object& out,
+                         int64_t intermediate_size, int activation, float limit, float alpha) {
+  MoeExpertsArgs a;
+  a.x = to_view(x, "x");
+  a.ids = to_view(ids, "ids");
+  a.weights = to_view(weights, "weights");
+  a.experts = to_view(experts, "experts");
+  a.biases = to_view(biases, "biases");
+  a.out = to_view(out, "out");
+  a.intermediate_size = intermediate_size;
+  MOESPEC_CHECK_ARG(activation == 0 || activation == 1, "activation", "expected 0 (swiglu) or 1 (gpt_oss), got ",
+                    activation);
+  a.activation = static_cast<ExpertActivation>(activation);
+  a.limit = limit;
+  a.alpha = alpha;
+  MOESPEC_CHECK_ARG(a.x.device == Device::kCPU, "x", "moe_experts runs on the CPU, got ", a.x.describe());
+  py::gil_scoped_release release;
+  cpu::moe_experts(a);
+}
+
 }  // namespace
 }  // namespace moespec
 
@@ -126,6 +129,20 @@ PYBIND11_MODULE(_native, m) {
         return out;
       },
       "ISAs this CPU can run, best last.");
+  m.def("moe_experts", &moe_experts_binding,
+        "MoE experts over a routing: x [T, H], ids int32 [T, K], weights f32 [T, K], experts [E, 3 I H] "
+        "(+ biases f32 [E, 2 I + H] for gpt_oss) -> out [T, H], written into the given output.",
+        py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("experts"), py::arg("biases"), py::arg("out"),
+        py::arg("intermediate_size"), py::arg("activation"), py::arg("limit"), py::arg("alpha"));
+  m.def("num_threads", [] { return ThreadPool::instance().num_threads(); }, "Threads of moespec's CPU pool.");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        MOESPEC_CHECK_ARG(n >= 1, "n", "expected at least 1 thread, got ", n);
+        ThreadPool::instance().set_num_threads(n);
+      },
+      "Sets the number of threads of moespec's CPU pool.", py::arg("n"));
+  bind_draft_tree(m);
   m.attr("kMaxExperts") = kMaxExperts;
   m.attr("kMaxTopK") = kMaxTopK;
 }

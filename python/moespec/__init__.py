@@ -8,3 +8,4 @@ on top. ``import moespec`` works without CUDA or TensorRT.
 __version__ = "0.1.0"
 
 from moespec import ops  # noqa: E402,F401  (the routing/budget API: moespec.ops.route_experts, ...)
+from moespec.spec import LLM, RequestOutput, SamplingParams, SpeculativeConfig  # noqa: E402,F401

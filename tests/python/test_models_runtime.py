@@ -83,10 +83,10 @@ def test_prefill_and_decode_match_transformers(family, models, refs):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_matches_transformers_bf16(family, checkpoints):
-    """bf16: the runtime performs transformers' operations in their order and dtype (RMSNorm in fp32,
-    routing weights cast as each family does, eager experts' per-expert index_add_ in bf16), so
-    prefill and decode logits are expected to be bit-identical to transformers' eager bf16 forward."""
-    model = mm.load(checkpoints[family], "bf16")
+    """bf16 with the reference experts: the runtime performs transformers' operations in their order
+    and dtype (RMSNorm in fp32, routing weights cast as each family does, eager experts' per-expert
+    index_add_ in bf16), so prefill logits are bit-identical to transformers' eager bf16 forward."""
+    model = mm.load(checkpoints[family], "bf16", moe_impl="reference")
     hf = reference(checkpoints[family], torch.bfloat16)
     prompt = _prompt(9, 2)
     cache = model.new_cache(1, 32)
@@ -102,6 +102,32 @@ def test_bf16_matches_transformers_bf16(family, checkpoints):
         with torch.no_grad():
             want = hf(torch.tensor([seq])).logits[0, -1]
         _close(got, want, tol=BF16_DECODE_TOL)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_bf16_kernel_experts_stay_close_to_transformers(family, checkpoints):
+    """The default (native kernel) experts accumulate in fp32 where transformers' eager experts round
+    every expert's contribution to bf16, so bf16 logits differ by a few bf16 ulps: we accept
+    BF16_DECODE_TOL of the logit scale, and the same greedy token at >= 80% of positions."""
+    model = mm.load(checkpoints[family], "bf16")
+    assert model.moe_impl == "kernel"
+    hf = reference(checkpoints[family], torch.bfloat16)
+    prompt = _prompt(9, 2)
+    got = model.prefill(model.new_cache(1, 32), [prompt], logits="all").logits[0]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    _close(got, want, tol=BF16_DECODE_TOL)
+    assert (got.float().argmax(-1) == want.float().argmax(-1)).float().mean() >= 0.8
+
+
+def test_moe_impl_switch(checkpoints):
+    model = mm.load(checkpoints["olmoe"], "fp32")
+    prompt = _prompt(6, 5)
+    kernel = model.prefill(model.new_cache(1, 8), [prompt]).logits
+    model.moe_impl = "reference"
+    _close(kernel, model.prefill(model.new_cache(1, 8), [prompt]).logits, tol=1e-5)
+    with pytest.raises(ValueError, match="moe_impl: expected one of"):
+        model.moe_impl = "fast"
 
 
 def test_sharded_checkpoint_loads_the_same_weights(tmp_path, checkpoints, models):

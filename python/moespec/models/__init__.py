@@ -46,12 +46,13 @@ def _parse(ckpt: Checkpoint) -> ModelConfig:
 
 
 def load(path: str | Path, dtype: Literal["bf16", "fp32"] = "bf16", *, taps: Sequence[int] = (),
-         progress: bool = False) -> TargetModel:
+         moe_impl: str | None = None, progress: bool = False) -> TargetModel:
     """Loads a local Hugging Face checkpoint folder (config.json + safetensors, single or sharded).
 
     The weights are converted once into the runtime layout (:mod:`moespec.models.weights`) in
     ``dtype``. An unknown architecture, a missing or mis-shaped tensor or a config the runtime cannot
-    honour raises ValueError naming it.
+    honour raises ValueError naming it. ``moe_impl`` picks the experts implementation
+    ("kernel" or "reference", see :mod:`moespec.models.moe`).
     """
     if dtype not in DTYPES:
         raise ValueError(f"load: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -59,7 +60,7 @@ def load(path: str | Path, dtype: Literal["bf16", "fp32"] = "bf16", *, taps: Seq
     config = _parse(ckpt)
     family = BY_ARCHITECTURE[config.architecture]
     weights = load_weights(ckpt, config, family.names, DTYPES[dtype], progress=progress)
-    return TargetModel(config, weights, taps=taps)
+    return TargetModel(config, weights, taps=taps, moe_impl=moe_impl)
 
 
 __all__ = [

@@ -1,9 +1,12 @@
 """The MoE feed-forward of a layer: route (with an optional expert budget), then run the experts.
 
 ``moe_forward`` is the runtime's entry point; it routes with :func:`moespec.ops.route_experts`
-and runs the experts through :func:`experts_reference`, a plain loop over the active experts in
-ascending id that reads each active expert once and rounds as transformers' ``eager`` experts do
-(so that bf16 results match it). Issue #4's fast CPU kernel plugs in behind the same call.
+and runs the experts with one of two implementations:
+- ``"kernel"`` (default on the CPU): :func:`moespec.ops.moe_experts`, the native kernel that reads
+  each active expert once at memory speed (fp32 accumulation);
+- ``"reference"``: :func:`experts_reference`, a plain loop over the active experts in ascending id
+  that rounds exactly as transformers' ``eager`` experts do (bf16 results bit-identical to them),
+  for debugging. ``MOESPEC_MOE_IMPL=reference`` or ``TargetModel.moe_impl`` selects it.
 
 Dimensions: P tokens of the layer, H hidden, E experts, K top-k, I expert intermediate size.
 """
@@ -17,7 +20,9 @@ import torch.nn.functional as F
 
 from moespec.models.config import MoeConfig
 from moespec.models.weights import LayerWeights
-from moespec.ops import ExpertBudget, Routing, route_experts
+from moespec.ops import ExpertBudget, Routing, moe_experts, route_experts
+
+MOE_IMPLS = ("kernel", "reference")
 
 
 def experts_reference(x: torch.Tensor, routing: Routing, layer: LayerWeights, moe: MoeConfig) -> torch.Tensor:
@@ -44,10 +49,16 @@ def experts_reference(x: torch.Tensor, routing: Routing, layer: LayerWeights, mo
 
 
 def moe_forward(
-    x: torch.Tensor, layer: LayerWeights, moe: MoeConfig, budget: Optional[ExpertBudget] = None
+    x: torch.Tensor, layer: LayerWeights, moe: MoeConfig, budget: Optional[ExpertBudget] = None,
+    impl: str = "kernel",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes the P tokens of ``x`` [P, H] (together: the budget is per layer per batch) and runs the
     experts. Returns the feed-forward output [P, H] and the routing stats int32 [4]."""
     logits = F.linear(x, layer.router)  # [P, E], in the model dtype as transformers computes it
     routing = route_experts(logits, moe.router, budget)
-    return experts_reference(x, routing, layer, moe), routing.stats_tensor
+    if impl == "reference" or x.device.type != "cpu":
+        return experts_reference(x, routing, layer, moe), routing.stats_tensor
+    weights = routing.weights
+    if moe.weights_in_model_dtype and x.dtype != weights.dtype:
+        weights = weights.to(x.dtype).float()  # rounded as the family's router rounds them
+    return moe_experts(x, routing.ids, weights, layer.experts, moe.intermediate_size), routing.stats_tensor

@@ -20,12 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from moespec.models.cache import KVCache, PendingTree
 from moespec.models.config import ModelConfig
-from moespec.models.moe import moe_forward
+from moespec.models.moe import MOE_IMPLS, moe_forward
 from moespec.models.weights import LayerWeights, ModelWeights
 from moespec.ops import ExpertBudget, RoutingStats
 
@@ -80,15 +82,31 @@ class TargetModel:
     taps : sequence of int
         Layers whose output residual stream every call returns in ``ForwardOutput.hidden``
         (for the EAGLE-3 draft head). Change with :meth:`set_taps`.
+    moe_impl : {"kernel", "reference"}, optional
+        How MoE layers run their experts (:mod:`moespec.models.moe`); default: the environment
+        variable MOESPEC_MOE_IMPL, else "kernel". Also settable later as ``model.moe_impl``.
     """
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, *, taps: Sequence[int] = ()):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, taps: Sequence[int] = (),
+                 moe_impl: Optional[str] = None):
         self.config = config
         self.weights = weights
         self.dtype = weights.dtype
         self.inv_freq = config.rope.inv_freq(config.head_dim)  # float32 [D/2]
         self.taps: tuple[int, ...] = ()
         self.set_taps(taps)
+        self._moe_impl = "kernel"
+        self.moe_impl = moe_impl or os.environ.get("MOESPEC_MOE_IMPL", "kernel")
+
+    @property
+    def moe_impl(self) -> str:
+        return self._moe_impl
+
+    @moe_impl.setter
+    def moe_impl(self, impl: str) -> None:
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl: expected one of {MOE_IMPLS}, got {impl!r}")
+        self._moe_impl = impl
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -263,7 +281,8 @@ class TargetModel:
                                     batch, S)
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             if c.is_moe_layer(i):
-                y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, budget)  # valid tokens only
+                y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, budget,  # valid tokens only
+                                             self.moe_impl)
                 mlp = torch.zeros_like(h)
                 mlp[batch.rows, batch.cols] = y
                 stats.append(layer_stats)

@@ -2,10 +2,13 @@
 
 - :func:`route_experts` (op ``moespec::route_experts``): routing for every router family with
   MoE-Spec's expert budget, producing the routing contract (:class:`Routing`).
+- :func:`moe_experts` (op ``moespec::moe_experts``): the routed experts of an MoE layer, each
+  active expert's weights read once (fast CPU kernel, SIMD + thread pool).
 - :mod:`moespec.ops.reference`: the plain-torch reference implementations the tests hold the
   native ops against.
 """
 
+from moespec.ops.moe import moe_experts, moe_experts_op, num_threads, set_num_threads
 from moespec.ops.routing import (
     ExpertBudget,
     Routing,
@@ -18,6 +21,10 @@ from moespec.ops.routing import (
 
 __all__ = [
     "ExpertBudget",
+    "moe_experts",
+    "moe_experts_op",
+    "num_threads",
+    "set_num_threads",
     "Routing",
     "RouterSpec",
     "RoutingStats",

@@ -110,3 +110,48 @@ def route_experts_reference(
     active = ids[kept].unique().to(torch.int32)  # sorted
     stats = RoutingStats(natural_unique, active.numel(), rerouted, dropped)
     return ids.to(torch.int32), weights.float(), active, stats
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    intermediate_size: int,
+    *,
+    activation: str = "swiglu",
+    biases: Optional[torch.Tensor] = None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+) -> torch.Tensor:
+    """moe_experts' semantics in plain torch: fp32 products and sums; with bf16 weights x and h
+    rounded to bf16 before their matmul; results accumulated in fp32, rounded once. [T, H]."""
+    T, H = x.shape
+    E, I = experts.shape[0], intermediate_size
+    bf16 = experts.dtype == torch.bfloat16
+    blocks = experts.float().reshape(E, 3, I * H)
+    gate, up = blocks[:, 0].reshape(E, I, H), blocks[:, 1].reshape(E, I, H)
+    down = blocks[:, 2].reshape(E, H, I)
+    xin = x.float()  # x already carries the weights' dtype
+    acc = torch.zeros(T, H, dtype=torch.float32)
+    for e in range(E):
+        token, slot = torch.where(ids == e)
+        w = weights[token, slot]
+        token, w = token[w != 0], w[w != 0]
+        if token.numel() == 0:
+            continue
+        g, u = xin[token] @ gate[e].T, xin[token] @ up[e].T  # [n, I]
+        if activation == "gpt_oss":
+            if biases is not None:
+                g, u = g + biases[e, :I], u + biases[e, I : 2 * I]
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+            h = (u + 1) * g * torch.sigmoid(alpha * g)
+        else:
+            h = torch.nn.functional.silu(g) * u
+        if bf16:
+            h = h.to(torch.bfloat16).float()
+        y = h @ down[e].T  # [n, H]
+        if activation == "gpt_oss" and biases is not None:
+            y = y + biases[e, 2 * I :]
+        acc.index_add_(0, token, w[:, None] * y)
+    return acc.to(x.dtype)

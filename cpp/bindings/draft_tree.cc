@@ -1,0 +1,134 @@
+// Bindings of the draft tree (cpp/include/moespec/draft_tree.h): the class DraftTreeBatch of
+// moespec._native, driven by python/moespec/spec/tree.py.
+//
+// Tensors cross as descriptors (cpp/bindings/tensor_arg.h); outputs are written into tensors the
+// caller allocated once. Each method checks its arguments in the core (moespec::Error becomes
+// ValueError / RuntimeError through module.cc's translator) and releases the GIL around the work.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+#include "moespec/draft_tree.h"
+#include "tensor_arg.h"
+
+namespace py = pybind11;
+
+namespace moespec {
+namespace {
+
+DraftFrontierViews frontier_views(const py::object& index, const py::object& tokens, const py::object& parent,
+                                  const py::object& parent_slot, const py::object& depth, const py::object& scores) {
+  DraftFrontierViews f;
+  f.index = to_view(index, "frontier_index");
+  f.tokens = to_view(tokens, "frontier_tokens");
+  f.parent = to_view(parent, "frontier_parent");
+  f.parent_slot = to_view(parent_slot, "frontier_parent_slot");
+  f.depth = to_view(depth, "frontier_depth");
+  f.scores = to_view(scores, "frontier_scores");
+  return f;
+}
+
+int32_t expand_root_binding(DraftTreeBatch& self, const py::object& root_tokens, const py::object& tokens,
+                            const py::object& logprobs, const py::object& index, const py::object& frontier_tokens,
+                            const py::object& parent, const py::object& parent_slot, const py::object& depth,
+                            const py::object& scores) {
+  const TensorView r = to_view(root_tokens, "root_tokens");
+  const TensorView t = to_view(tokens, "tokens");
+  const TensorView l = to_view(logprobs, "logprobs");
+  const DraftFrontierViews f = frontier_views(index, frontier_tokens, parent, parent_slot, depth, scores);
+  py::gil_scoped_release release;
+  self.expand_root(r, t, l, f);
+  return self.levels();
+}
+
+int32_t expand_binding(DraftTreeBatch& self, const py::object& tokens, const py::object& logprobs,
+                       const py::object& index, const py::object& frontier_tokens, const py::object& parent,
+                       const py::object& parent_slot, const py::object& depth, const py::object& scores) {
+  const TensorView t = to_view(tokens, "tokens");
+  const TensorView l = to_view(logprobs, "logprobs");
+  const DraftFrontierViews f = frontier_views(index, frontier_tokens, parent, parent_slot, depth, scores);
+  py::gil_scoped_release release;
+  self.expand(t, l, f);
+  return self.levels();
+}
+
+int64_t finalize_binding(DraftTreeBatch& self, const py::object& tokens, const py::object& parents,
+                         const py::object& depth, const py::object& scores, const py::object& candidates,
+                         const py::object& mask_words, const py::object& paths, const py::object& num_leaves,
+                         const py::object& max_depth) {
+  DraftTreeViews out;
+  out.tokens = to_view(tokens, "tokens");
+  out.parents = to_view(parents, "parents");
+  out.depth = to_view(depth, "depth");
+  out.scores = to_view(scores, "scores");
+  out.candidates = to_view(candidates, "candidates");
+  out.mask_words = to_view(mask_words, "mask_words");
+  out.paths = to_view(paths, "paths");
+  out.num_leaves = to_view(num_leaves, "num_leaves");
+  out.max_depth = to_view(max_depth, "max_depth");
+  py::gil_scoped_release release;
+  return self.finalize(out);
+}
+
+void read_candidates_binding(const DraftTreeBatch& self, int64_t b, const py::object& tokens,
+                             const py::object& parents, const py::object& depth, const py::object& scores) {
+  DraftCandidateViews out;
+  out.tokens = to_view(tokens, "tokens");
+  out.parents = to_view(parents, "parents");
+  out.depth = to_view(depth, "depth");
+  out.scores = to_view(scores, "scores");
+  py::gil_scoped_release release;
+  self.read_candidates(b, out);
+}
+
+}  // namespace
+
+void bind_draft_tree(py::module_& m) {
+  py::class_<DraftTreeBatch>(m, "DraftTreeBatch",
+                             "EAGLE-2 dynamic draft trees of B requests expanded in lockstep (CPU).")
+      .def(py::init([](int32_t batch, int32_t depth, int32_t top_k, int32_t total_tokens) {
+             return DraftTreeBatch(batch, DraftTreeParams{depth, top_k, total_tokens});
+           }),
+           "B requests; depth D >= 1 levels, top_k K, total_tokens = most nodes M without the root.",
+           py::arg("batch"), py::arg("depth"), py::arg("top_k"), py::arg("total_tokens"))
+      .def("expand_root", &expand_root_binding,
+           "Starts the trees: root_tokens [B], tokens [B, K], logprobs f32 [B, K] -> frontier outputs [B, K] "
+           "(index, tokens, parent, parent_slot, depth i32, scores f32; None skips). Returns levels.",
+           py::arg("root_tokens"), py::arg("tokens"), py::arg("logprobs"), py::arg("index"),
+           py::arg("frontier_tokens"), py::arg("parent"), py::arg("parent_slot"), py::arg("depth"),
+           py::arg("scores"))
+      .def("expand", &expand_binding,
+           "One level: tokens [B, K, K], logprobs f32 [B, K, K] (row s: children of frontier slot s) -> "
+           "frontier outputs [B, K]. Returns levels.",
+           py::arg("tokens"), py::arg("logprobs"), py::arg("index"), py::arg("frontier_tokens"), py::arg("parent"),
+           py::arg("parent_slot"), py::arg("depth"), py::arg("scores"))
+      .def("finalize", &finalize_binding,
+           "Writes the trees: tokens/parents/depth/scores/candidates [B, M+1], mask_words i32 [B, M+1, W], "
+           "paths i32 [B, M, levels+1], num_leaves/max_depth i32 [B]. Returns M.",
+           py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("scores"), py::arg("candidates"),
+           py::arg("mask_words"), py::arg("paths"), py::arg("num_leaves"), py::arg("max_depth"))
+      .def("read_candidates", &read_candidates_binding,
+           "Request b's candidate records into [C] outputs: tokens, parents i32, depth i32, scores f32 (None skips).",
+           py::arg("b"), py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("scores"))
+      .def_property_readonly("batch", &DraftTreeBatch::batch, "B.")
+      .def_property_readonly("levels", &DraftTreeBatch::levels, "Levels expanded so far (0 before expand_root).")
+      .def_property_readonly("depth", [](const DraftTreeBatch& s) { return s.params().depth; }, "D.")
+      .def_property_readonly("top_k", [](const DraftTreeBatch& s) { return s.params().top_k; }, "K.")
+      .def_property_readonly("total_tokens", [](const DraftTreeBatch& s) { return s.params().total_tokens; },
+                             "Most tree nodes without the root.")
+      .def_property_readonly(
+          "num_candidates", [](const DraftTreeBatch& s) { return draft_tree_num_candidates(s.params(), s.levels()); },
+          "C: candidates recorded per request so far.")
+      .def_property_readonly(
+          "num_nodes", [](const DraftTreeBatch& s) { return draft_tree_num_nodes(s.params(), s.levels()); },
+          "M + 1: nodes of the trees a finalize gives now (1 before expand_root).")
+      .def_property_readonly(
+          "max_nodes", [](const DraftTreeBatch& s) { return draft_tree_num_nodes(s.params(), s.params().depth); },
+          "The largest M + 1 (trees of depth levels).");
+  m.attr("kMaxDraftTopK") = kMaxDraftTopK;
+  m.attr("kMaxDraftDepth") = kMaxDraftDepth;
+  m.attr("kMaxDraftTreeTokens") = kMaxDraftTreeTokens;
+  m.attr("kDraftLogprobTolerance") = kDraftLogprobTolerance;
+}
+
+}  // namespace moespec

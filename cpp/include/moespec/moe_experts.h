@@ -1,0 +1,70 @@
+// moe_experts: the expert half of an MoE layer over the routing contract, reading each active
+// expert's weights once (DESIGN.md "Budgeted MoE layer").
+//
+//   out[t] = sum over slots k of t's routing with ids[t, k] != E and weights[t, k] != 0 of
+//            weights[t, k] * expert_{ids[t, k]}(x[t])
+// with, for expert e (weights in the runtime layout of python/moespec/models/weights.py, one
+// contiguous block per expert: gate [I, H], up [I, H], down [H, I], row-major):
+//   SwiGLU  (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3):
+//           g = gate x, u = up x, h = silu(g) * u, y = down h
+//   GptOss: g = gate x + bg, u = up x + bu, g = min(g, limit), u = clamp(u, -limit, limit),
+//           h = (u + 1) * g * sigmoid(alpha * g), y = down h + bd
+//           (biases [E, 2I + H] float32: gate bias [I], up bias [I], down bias [H] per expert)
+//
+// Precision: products and sums in fp32. With bf16 weights the activations x and h are rounded to
+// bf16 before their matmul (the AVX-512 BF16 path multiplies bf16 pairs); the per-expert results
+// are accumulated over the token's experts in fp32 and rounded to out's dtype once. With fp32
+// weights everything is fp32. The scalar path defines these semantics; the SIMD paths sum in
+// other orders and agree with it within a relative 1e-5 (fp32) / 4e-3 (bf16) of the output scale
+// (max |out|); for bf16 add one bf16 ulp of the value itself, since two fp32 sums a few ulp apart
+// can round to neighbouring bf16 values (tests/cpp/test_moe_experts.cc checks exactly this).
+// Every path is deterministic: a token's output depends only on its own x row, ids and weights
+// (on one ISA, the same bits alone as in any batch: verify agrees with decode) and never on the
+// thread count. A token's experts are accumulated in ascending id order (repeats in slot order).
+//
+// A dropped slot (id E) and a zero-weight slot cost nothing beyond the routing scan (and a
+// zero-weight slot contributes exactly nothing, even if its expert would give inf or NaN); an
+// expert no slot uses is never read. Scratch memory (x and h staged in the product's dtype, an
+// fp32 accumulator for bf16 out) is kept per calling thread and grows to the largest call seen.
+// Work runs on the process-wide thread pool (thread_pool.h): first the gate/up rows of every
+// active expert (tasks over expert x row tiles), then the down rows (tasks over output column
+// tiles, each owning its columns of out for every token: no atomics).
+//
+// Dimensions: T tokens, H hidden, I expert intermediate size, E experts, K top-k.
+#pragma once
+
+#include <cstdint>
+
+#include "moespec/tensor_view.h"
+
+namespace moespec {
+
+enum class ExpertActivation : int32_t {
+  kSwiGLU = 0,
+  kGptOss = 1,
+};
+
+struct MoeExpertsArgs {
+  TensorView x;        // [T, H] float32 | bfloat16 (rows of stride >= H, contiguous within a row)
+  TensorView ids;      // [T, K] int32, values in [0, E]; E marks a dropped slot
+  TensorView weights;  // [T, K] float32
+  TensorView experts;  // [E, 3 I H] float32 | bfloat16, contiguous; I = intermediate_size
+  TensorView biases;   // [E, 2 I + H] float32, GptOss only (optional: absent = zeros)
+  TensorView out;      // out [T, H], x's dtype, contiguous; overwritten
+  int64_t intermediate_size = 0;  // I
+  ExpertActivation activation = ExpertActivation::kSwiGLU;
+  float limit = 7.0f;    // GptOss clamp
+  float alpha = 1.702f;  // GptOss sigmoid slope
+};
+
+// Validates shapes, dtypes, devices and scalars; throws Error(kInvalidArgument) naming the argument.
+// (x's dtype must equal experts' dtype; ids values are checked by the kernel: an id outside
+// [0, E] is an InvalidArgument error naming the token and slot.)
+void validate_moe_experts(const MoeExpertsArgs& args);
+
+namespace cpu {
+// Runs on the CPU ISA chosen by cpu_isa.h (MOESPEC_CPU_ISA forces one) and the thread pool.
+void moe_experts(const MoeExpertsArgs& args);
+}  // namespace cpu
+
+}  // namespace moespec

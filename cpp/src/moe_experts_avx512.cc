@@ -1,0 +1,226 @@
+// AVX-512 path of moe_experts' product (contract: moe_experts_simd.h; reference: the scalar table
+// in moe_experts.cc). Compiled with -mavx512f -mavx512dq -mavx512bw -mavx512vl -mfma -mavx512bf16;
+// only called after runtime dispatch has checked the CPU and OS (cpu_isa.cc). The one use of
+// AVX512_BF16, vdpbf16ps, sits in Bf16DpOps, reached only through kMoeExpertsBf16, which dispatch
+// picks only when cpu_has_avx512_bf16(); kMoeExperts converts bf16 weights with a shift instead.
+//
+// Blocking: a tile holds 2 partial accumulators (16 fp32 lanes) for each of R weight rows x TN
+// activation rows (R <= kR = 4, TN <= kTN = 3: 24 accumulators). The loop order follows the
+// number of tokens n (matmul_nt): n <= 3 (decode): R = 1, weight rows streamed in order;
+// n <= 32 (verify): blocks of 4 rows outer, read from memory once, the next block prefetched;
+// more (prefill): tokens outer, the task's weight tile in L2. Each element follows one canonical
+// order (see Tile), whatever its block, so results depend neither on the blocking nor on the
+// tokens that share an expert (a token alone gets the same bits as in a batch).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "moe_experts_simd.h"
+
+namespace moespec {
+namespace cpu {
+namespace avx512 {
+namespace {
+
+constexpr int kR = 4;   // weight rows per block
+constexpr int kTN = 3;  // activation rows per block: 2 x kR x kTN = 24 accumulators (+ 4 weights, 1 activation)
+constexpr int64_t kRowsOuterMaxTokens = 32;  // up to this many tokens, weight rows outer (activations in L2)
+
+// The sum of v's 16 lanes, in a fixed order. Only zero-masked shuffles: the unmasked ones (and
+// _mm512_reduce_add_ps, _mm512_castps512_ps256) trip GCC 12's -Wuninitialized (GCC bug 105593).
+inline float hsum(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(0xffff, v, v, _MM_SHUFFLE(3, 2, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(0xffff, v, v, _MM_SHUFFLE(1, 1, 1, 1)));
+  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(0xffff, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(0xffff, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(v);
+}
+
+// A tile computes c[n * ldc + r] for R weight rows w[r] and TN activation rows x[n] over K.
+// Canonical order of one element (every tile and blocking follows it, so the blocking never
+// changes a result): K is cut into chunks of one vector (the last one masked); chunk i is
+// multiplied into partial accumulator i % 2; the result is hsum(partial 0 + partial 1).
+// Two partials keep two independent FMA chains per element even when R = TN = 1.
+template <class Ops>
+struct Tile {
+  using W = typename Ops::W;
+  using A = typename Ops::A;
+  // pf: null, or R rows to prefetch into L2 meanwhile (the caller's next block of weight rows).
+  template <int R, int TN>
+  static void run(const W* const* w, const A* const* x, int64_t K, float* c, int64_t ldc, const W* const* pf) {
+    constexpr int64_t kStep = Ops::kStep;
+    __m512 acc[2][R][TN];
+    for (int p = 0; p < 2; ++p)
+      for (int r = 0; r < R; ++r)
+        for (int n = 0; n < TN; ++n) acc[p][r][n] = _mm512_setzero_ps();
+    const int64_t full = K / kStep * kStep;
+    int64_t k = 0;
+    for (; k + 2 * kStep <= full; k += 2 * kStep) {
+      if (pf != nullptr) {
+        for (int r = 0; r < R; ++r)
+          for (int64_t b = 0; b < 2 * kStep * static_cast<int64_t>(sizeof(W)); b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(pf[r] + k) + b, _MM_HINT_T1);
+      }
+      for (int p = 0; p < 2; ++p) {
+        typename Ops::WVec wr[R];
+        for (int r = 0; r < R; ++r) wr[r] = Ops::load_w(w[r] + k + p * kStep);
+        for (int n = 0; n < TN; ++n) {
+          const typename Ops::AVec xn = Ops::load_a(x[n] + k + p * kStep);
+          for (int r = 0; r < R; ++r) acc[p][r][n] = Ops::madd(acc[p][r][n], wr[r], xn);
+        }
+      }
+    }
+    int p = 0;  // parity of the next chunk
+    if (k < full) {  // one full chunk left: an even one
+      typename Ops::WVec wr[R];
+      for (int r = 0; r < R; ++r) wr[r] = Ops::load_w(w[r] + k);
+      for (int n = 0; n < TN; ++n) {
+        const typename Ops::AVec xn = Ops::load_a(x[n] + k);
+        for (int r = 0; r < R; ++r) acc[0][r][n] = Ops::madd(acc[0][r][n], wr[r], xn);
+      }
+      k += kStep;
+      p = 1;
+    }
+    if (k < K) {  // the masked last chunk; activations are zero-padded
+      typename Ops::WVec wr[R];
+      for (int r = 0; r < R; ++r) wr[r] = Ops::load_w_tail(w[r] + k, K - k);
+      for (int n = 0; n < TN; ++n) {
+        const typename Ops::AVec xn = Ops::load_a(x[n] + k);
+        for (int r = 0; r < R; ++r) acc[p][r][n] = Ops::madd(acc[p][r][n], wr[r], xn);
+      }
+    }
+    for (int n = 0; n < TN; ++n)
+      for (int r = 0; r < R; ++r) c[n * ldc + r] = hsum(_mm512_add_ps(acc[0][r][n], acc[1][r][n]));
+  }
+};
+
+// fp32 weights x fp32 activations.
+struct F32Ops {
+  using W = float;
+  using A = float;
+  using WVec = __m512;
+  using AVec = __m512;
+  static constexpr int64_t kStep = 16;
+  static __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 load_w_tail(const float* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+  }
+  static __m512 load_a(const float* p) { return _mm512_load_ps(p); }
+  static __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+inline __m512 bf16_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// bf16 weights (converted exactly to fp32 by a shift) x fp32 activations.
+struct Bf16F32Ops {
+  using W = uint16_t;
+  using A = float;
+  using WVec = __m512;
+  using AVec = __m512;
+  static constexpr int64_t kStep = 16;
+  static __m512 load_w(const uint16_t* p) {
+    return bf16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static __m512 load_w_tail(const uint16_t* p, int64_t n) {
+    return bf16_to_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p));
+  }
+  static __m512 load_a(const float* p) { return _mm512_load_ps(p); }
+  static __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+// bf16 weights x bf16 activations: products of bf16 pairs (vdpbf16ps).
+struct Bf16DpOps {
+  using W = uint16_t;
+  using A = uint16_t;
+  using WVec = __m512bh;
+  using AVec = __m512bh;
+  static constexpr int64_t kStep = 32;
+  static __m512bh load_w(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512bh load_w_tail(const uint16_t* p, int64_t n) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << n) - 1u), p);
+  }
+  static __m512bh load_a(const uint16_t* p) { return (__m512bh)_mm512_load_si512(p); }
+  static __m512 madd(__m512 acc, __m512bh w, __m512bh x) { return _mm512_dpbf16_ps(acc, w, x); }
+};
+
+template <class Ops, int R>
+void run_tile_tn(int tn, const typename Ops::W* const* w, const typename Ops::A* const* x, int64_t K, float* c,
+                 int64_t ldc, const typename Ops::W* const* pf = nullptr) {
+  static_assert(kTN == 3, "run_tile_tn dispatches 1 to 3 tokens");
+  switch (tn) {
+    case 1: Tile<Ops>::template run<R, 1>(w, x, K, c, ldc, pf); break;
+    case 2: Tile<Ops>::template run<R, 2>(w, x, K, c, ldc, pf); break;
+    default: Tile<Ops>::template run<R, 3>(w, x, K, c, ldc, pf); break;
+  }
+}
+
+template <class Ops>
+void matmul_nt(const void* w, int64_t ldw, int64_t n_rows, const void* act, int64_t ld_act, const int32_t* rows,
+               int64_t n_tok, int64_t K, float* c, int64_t ldc) {
+  using W = typename Ops::W;
+  using A = typename Ops::A;
+  const W* wp = static_cast<const W*>(w);
+  const A* ap = static_cast<const A*>(act);
+  auto act_row = [&](int64_t n) { return ap + (rows ? rows[n] : n) * ld_act; };
+  if (n_tok <= kTN) {
+    // Few tokens (decode): memory-bound. Each weight row is read once, rows in order (one
+    // sequential stream for the prefetcher).
+    const A* x[kTN];
+    for (int64_t n = 0; n < n_tok; ++n) x[n] = act_row(n);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const W* wr = wp + r * ldw;
+      run_tile_tn<Ops, 1>(static_cast<int>(n_tok), &wr, x, K, c + r, ldc);
+    }
+    return;
+  }
+  if (n_tok <= kRowsOuterMaxTokens) {
+    // Some tokens (verify): rows outer. A block of kR rows, read from memory once, stays in L1
+    // while every token's activations (in L2) pass; the prefetcher keeps streaming meanwhile.
+    const A* x[kRowsOuterMaxTokens];
+    for (int64_t n = 0; n < n_tok; ++n) x[n] = act_row(n);
+    int64_t r0 = 0;
+    for (; r0 + kR <= n_rows; r0 += kR) {
+      const W* wr[kR];
+      const W* next[kR];
+      for (int i = 0; i < kR; ++i) wr[i] = wp + (r0 + i) * ldw, next[i] = wr[i] + kR * ldw;
+      const bool prefetch = r0 + 2 * kR <= n_rows;  // while the first token block runs
+      for (int64_t n0 = 0; n0 < n_tok; n0 += kTN)
+        run_tile_tn<Ops, kR>(static_cast<int>(std::min<int64_t>(kTN, n_tok - n0)), wr, x + n0, K,
+                             c + n0 * ldc + r0, ldc, n0 == 0 && prefetch ? next : nullptr);
+    }
+    for (; r0 < n_rows; ++r0) {
+      const W* wr = wp + r0 * ldw;
+      for (int64_t n0 = 0; n0 < n_tok; n0 += kTN)
+        run_tile_tn<Ops, 1>(static_cast<int>(std::min<int64_t>(kTN, n_tok - n0)), &wr, x + n0, K,
+                            c + n0 * ldc + r0, ldc);
+    }
+    return;
+  }
+  // Many tokens (prefill): compute-bound. Tokens outer: a block of kTN activation rows stays in L1
+  // while the task's weight rows (its tile, in L2) pass.
+  for (int64_t n0 = 0; n0 < n_tok; n0 += kTN) {
+    const int tn = static_cast<int>(std::min<int64_t>(kTN, n_tok - n0));
+    const A* x[kTN];
+    for (int i = 0; i < tn; ++i) x[i] = act_row(n0 + i);
+    int64_t r0 = 0;
+    for (; r0 + kR <= n_rows; r0 += kR) {
+      const W* wr[kR];
+      for (int i = 0; i < kR; ++i) wr[i] = wp + (r0 + i) * ldw;
+      run_tile_tn<Ops, kR>(tn, wr, x, K, c + n0 * ldc + r0, ldc);
+    }
+    for (; r0 < n_rows; ++r0) {
+      const W* wr = wp + r0 * ldw;
+      run_tile_tn<Ops, 1>(tn, &wr, x, K, c + n0 * ldc + r0, ldc);
+    }
+  }
+}
+
+}  // namespace
+
+const MoeExpertKernels kMoeExperts = {matmul_nt<F32Ops>, matmul_nt<Bf16F32Ops>, DType::kFloat32, "avx512"};
+const MoeExpertKernels kMoeExpertsBf16 = {matmul_nt<F32Ops>, matmul_nt<Bf16DpOps>, DType::kBFloat16, "avx512_bf16"};
+
+}  // namespace avx512
+}  // namespace cpu
+}  // namespace moespec

@@ -1,0 +1,91 @@
+"""The ``moespec`` command line: ``moespec generate`` and ``moespec train-draft``.
+
+    moespec generate --model <folder> [--draft <EAGLE-3 folder>] [--policy ar|eagle3|eagle3+budget]
+                     [--budget B] [--depth D] [--top-k K] [--total-tokens M] [--dtype bf16|fp32]
+                     [--max-tokens N] [--temperature T] [--top-p P] [--top-k-sampling K] [--seed S]
+                     [--stream] (--prompt TEXT | --prompt-ids 1,2,3) ...
+    moespec train-draft --target <folder> --corpus <files...> --out <folder> [...]
+
+Configuration flows one way: flags -> typed configs (SpeculativeConfig, SamplingParams) -> LLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with a target model and an optional EAGLE-3 draft head")
+    p.add_argument("--model", required=True, help="target checkpoint folder")
+    p.add_argument("--draft", help="EAGLE-3 draft head folder")
+    p.add_argument("--policy", choices=["ar", "eagle3", "eagle3+budget"], help="default: eagle3 with a draft, else ar")
+    p.add_argument("--budget", type=int, help="max unique experts per MoE layer on verify passes (eagle3+budget)")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--top-k", type=int, default=8, help="draft tree branching")
+    p.add_argument("--total-tokens", type=int, default=32, help="draft tree nodes besides the root")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k-sampling", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stream", action="store_true", help="print tokens as they are accepted (one prompt)")
+    p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    p.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids")
+
+
+def _generate(args) -> int:
+    from moespec import LLM, SamplingParams, SpeculativeConfig
+
+    prompts = list(args.prompt) + [[int(t) for t in s.split(",") if t.strip()] for s in args.prompt_ids]
+    if not prompts:
+        raise SystemExit("moespec generate: give at least one --prompt or --prompt-ids")
+    policy = args.policy or ("eagle3+budget" if args.budget else "eagle3" if args.draft else "ar")
+    spec = SpeculativeConfig(policy, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
+                             budget=args.budget if policy == "eagle3+budget" else None)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k_sampling, seed=args.seed)
+    llm = LLM(args.model, draft=args.draft, speculative_config=spec, dtype=args.dtype)
+    if args.stream:
+        if len(prompts) != 1:
+            raise SystemExit("moespec generate --stream takes one prompt")
+        shown = 0
+        for out in llm.generate_stream(prompts[0], params):
+            completion = out.outputs[0]
+            piece = completion.text[shown:] if llm.tokenizer else " ".join(map(str, completion.token_ids[shown:]))
+            shown = len(completion.text) if llm.tokenizer else len(completion.token_ids)
+            print(piece, end="" if llm.tokenizer else " ", flush=True)
+        print()
+        outputs = [out]
+    else:
+        outputs = llm.generate(prompts, params)
+        for out in outputs:
+            c = out.outputs[0]
+            print(c.text if llm.tokenizer else " ".join(map(str, c.token_ids)))
+    for out in outputs:
+        s = out.stats
+        print(f"[{policy}] {len(out.outputs[0].token_ids)} tokens in {s.decode_steps} steps, mean acceptance length "
+              f"{s.mean_acceptance_length:.2f}, {s.wall_time:.2f} s", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train-draft":
+        from moespec.spec.train import main as train_main
+
+        return train_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="moespec", description="expert-aware speculative decoding for MoE models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    sub.add_parser("train-draft", help="train an EAGLE-3 draft head (see moespec train-draft --help)")
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The expert half of an MoE layer: ``moe_experts`` over a routing (op ``moespec::moe_experts``).
+
+Native kernel: cpp/src/moe_experts.cc (+ per-ISA files), contract in
+cpp/include/moespec/moe_experts.h. Plain-torch reference: :func:`moespec.ops.reference.moe_experts_reference`.
+
+Dimensions: T tokens, H hidden, I expert intermediate size, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+
+from moespec._loader import native
+from moespec._tensor import view
+
+Activation = Literal["swiglu", "gpt_oss"]
+_ACTIVATION_CODES = {"swiglu": 0, "gpt_oss": 1}
+
+
+def _moe_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                      biases: Optional[torch.Tensor], intermediate_size: int, activation: int, limit: float,
+                      alpha: float) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-d tensor [T, H], got shape {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"x: moe_experts runs on the CPU (the GPU kernel is not built yet), got {x.device}")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    native().moe_experts(view(x, "x"), view(ids, "ids"), view(weights, "weights"), view(experts, "experts"),
+                         view(biases, "biases"), view(out, "out"), intermediate_size, activation, limit, alpha)
+    return out
+
+
+@torch.library.custom_op("moespec::moe_experts", mutates_args=())
+def moe_experts_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                   biases: Optional[torch.Tensor], intermediate_size: int, activation: int, limit: float,
+                   alpha: float) -> torch.Tensor:
+    """The torch custom op ``moespec::moe_experts`` (flat arguments; see :func:`moe_experts`)."""
+    return _moe_experts_impl(x, ids, weights, experts, biases, intermediate_size, activation, limit, alpha)
+
+
+@moe_experts_op.register_fake
+def _moe_experts_fake(x, ids, weights, experts, biases, intermediate_size, activation, limit, alpha):
+    return torch.empty_like(x)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    intermediate_size: int,
+    *,
+    activation: Activation = "swiglu",
+    biases: Optional[torch.Tensor] = None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+) -> torch.Tensor:
+    """Runs the routed experts of an MoE layer, reading each active expert's weights once.
+
+    Parameters
+    ----------
+    x : Tensor [T, H], float32 | bfloat16 (the experts' dtype)
+    ids : Tensor int32 [T, K]
+        The routing's expert ids; E (the number of experts) marks a dropped slot.
+    weights : Tensor float32 [T, K]
+    experts : Tensor [E, 3 I H]
+        The runtime layout: per expert its gate [I, H], up [I, H] and down [H, I], contiguous.
+    intermediate_size : int
+        I.
+    activation : {"swiglu", "gpt_oss"}
+        ``gpt_oss`` clamps gate and up to ``limit`` and uses ``(u + 1) * g * sigmoid(alpha * g)``,
+        with ``biases`` [E, 2 I + H] float32 (gate, up, down biases of each expert).
+
+    Returns
+    -------
+    Tensor [T, H] in x's dtype: sum over each token's slots of weight * expert(x). Accumulated in
+    fp32; with bf16 weights, x and the expert's hidden activations are rounded to bf16 first.
+
+    Examples
+    --------
+    >>> import torch, moespec
+    >>> E, H, I = 4, 8, 6
+    >>> experts = torch.randn(E, 3 * I * H)
+    >>> x, ids = torch.randn(3, H), torch.tensor([[0, 2], [1, 4], [3, 3]], dtype=torch.int32)
+    >>> moespec.ops.moe_experts(x, ids, torch.rand(3, 2), experts, I).shape
+    torch.Size([3, 8])
+    """
+    if activation not in _ACTIVATION_CODES:
+        raise ValueError(f"activation: expected 'swiglu' or 'gpt_oss', got {activation!r}")
+    args = (x, ids, weights, experts, biases, int(intermediate_size), _ACTIVATION_CODES[activation], float(limit),
+            float(alpha))
+    impl = moe_experts_op if torch.compiler.is_compiling() else _moe_experts_impl
+    return impl(*args)
+
+
+def num_threads() -> int:
+    """Threads of moespec's CPU thread pool (MOESPEC_NUM_THREADS, default: all cores)."""
+    return native().num_threads()
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the number of threads of moespec's CPU thread pool."""
+    native().set_num_threads(int(n))

@@ -1,0 +1,757 @@
+"""The EAGLE-3 draft head: typed config, weights, a preallocated draft KV cache, one forward for both
+catch-up and tree expansion, the training-time-test forward, and a loader for local checkpoints.
+
+Implements DESIGN.md "Speculative decoding (EAGLE-3)" (the draft head and its checkpoints);
+REFERENCE.md section 3: 1.2 (head), 1.3 (taps), 1.6 (draft KV), 1.8 (checkpoint format). Counterparts:
+SafeAILab/EAGLE ``eagle/model/cnets.py`` (inference) and ``eagle/traineagle3/cnets.py`` (training);
+the trainer is :mod:`moespec.spec.train`, the tests ``tests/python/test_eagle3.py``.
+
+The layer (``midlayer``), for input token ids ``x`` and input features ``h`` [.., H]::
+
+    a = cat(input_layernorm(embed(x)), hidden_norm(h))          # [.., 2H]
+    h = h + o_proj(attention(q_proj(a), k_proj(a), v_proj(a)))   # residual = the un-normalised h
+    h = h + mlp(post_attention_layernorm(h))                     # SwiGLU
+    logits = lm_head(norm(h))                                    # [.., Vd], draft vocabulary
+
+``h`` is ``fc(cat(f_low, f_mid, f_high))`` for target features (catch-up) and the draft's own
+previous *output* ``h`` — before the final ``norm`` — for tree expansion (EAGLE's ``out_hidden``;
+``topK_genrate`` feeds ``out_hidden[:, out_ids]`` back and applies ``norm`` only for the logits).
+Draft id ``i`` is target id ``i + d2t[i]``.
+
+Alignment (as EAGLE, which shifts ``input_ids`` left by one): draft entry ``s`` pairs the target's tap
+features ``f_s`` of token ``x_s`` with the *next* token ``x_{s+1}`` and predicts ``x_{s+2}``; it sits at
+draft cache slot ``s`` with rope position ``s``. A tree node at depth ``d >= 1`` below the last
+catch-up entry ``n - 1`` has position ``n - 1 + d``. Example (one request, one draft round)::
+
+    head = load_eagle3(folder, target)
+    target.set_taps(head.config.aux_layers)
+    cache = head.new_cache(batch=1, max_len=4096)
+    # catch-up over accepted entries s in [cache.lengths[0], n): tokens x_{s+1}, target features f_s
+    step = cache.append_inputs([len(new)])
+    out = head(cache, next_tokens, features, positions=step.positions, slots=step.slots,
+               visible=step.visible)                          # logits [1, T, Vd], hidden [1, T, H]
+    cache.advance([len(new)])
+    # expansion step d over K frontier nodes: tokens [1, K], hidden = their parents' out.hidden,
+    # positions n - 1 + d, scratch slots n + (d - 1) K + k, visible = slots [0, n) + the node's
+    # expanded ancestors + itself (EAGLE's growing tree_mask). Scratch slots are overwritten by the
+    # next catch-up, so the accepted prefix (EAGLE's stable_kv) survives unchanged.
+
+Dimensions: B requests, T new tokens, S attended slots, H draft hidden, Ht target hidden, Hq/Hkv
+query and key/value heads, D head dim, I intermediate, V target vocabulary, Vd draft vocabulary,
+K unrolled training-time-test steps, L target layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file as load_safetensors
+from torch import nn
+
+from moespec.models.config import ModelConfig, RawConfig, RopeConfig, parse_rope
+from moespec.models.runtime import TargetModel, rms_norm, rotate
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# What the features argument of a forward may be: the three target taps (as TargetModel returns
+# them, or concatenated) or the draft's own output hidden states.
+Features = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/mid/high taps in moespec's "output of layer i" indexing: ``(1, L//2 - 1, L - 4)``.
+
+    That is EAGLE's and vLLM's ``{2, L//2, L-3}`` in their "input of layer j" indexing (REFERENCE.md
+    1.3). Targets of ``L <= 5`` layers (tiny test models) have no such triple; they get the first,
+    middle and last layer, ``(0, L//2, L - 1)``.
+    """
+    if num_layers < 1:
+        raise ValueError(f"default_aux_layers: num_layers must be >= 1, got {num_layers}")
+    if num_layers <= 5:
+        return (0, num_layers // 2, num_layers - 1)
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def _rope_scaling(rope: RopeConfig) -> Optional[dict[str, Any]]:
+    """The HF 4.x ``rope_scaling`` dict of a RopeConfig (None for plain rope); parse_rope reads it."""
+    if rope.kind == "default":
+        return None
+    if rope.kind == "linear":
+        return {"rope_type": "linear", "factor": rope.factor}
+    return {"rope_type": "llama3", "factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor, "original_max_position_embeddings": rope.original_max_position}
+
+
+def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
+    """vLLM speculators configs nest the layer config under ``transformer_layer_config``."""
+    inner = raw.get("transformer_layer_config")
+    if not isinstance(inner, dict):
+        return raw
+    keep = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "eagle_config",
+            "norm_before_residual")
+    return {**inner, **{k: raw[k] for k in keep if k in raw}}
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Shape and arithmetic of an EAGLE-3 head, plus which target layers feed it."""
+
+    hidden_size: int  # H
+    intermediate_size: int  # I
+    num_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    rms_norm_eps: float
+    rope: RopeConfig
+    vocab_size: int  # V, the target's vocabulary
+    draft_vocab_size: int  # Vd
+    target_hidden_size: int  # Ht
+    aux_layers: tuple[int, int, int]  # low, mid, high target layers whose *output* feeds fc (0-based)
+    norm_before_residual: bool = False  # vLLM variant: the residual is hidden_norm(h), not h
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        sizes = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                     num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                     vocab_size=self.vocab_size, draft_vocab_size=self.draft_vocab_size,
+                     target_hidden_size=self.target_hidden_size)
+        for name, value in sizes.items():
+            if int(value) < 1:
+                raise ValueError(f"Eagle3Config: {name} must be >= 1, got {value}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"Eagle3Config: num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"Eagle3Config: draft_vocab_size={self.draft_vocab_size} exceeds "
+                             f"vocab_size={self.vocab_size}")
+        if len(self.aux_layers) != 3 or any(int(i) < 0 for i in self.aux_layers):
+            raise ValueError(f"Eagle3Config: aux_layers must be three layer indices >= 0, got {self.aux_layers}")
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any], target: ModelConfig, source: str = "config.json") -> "Eagle3Config":
+        """Parses an EAGLE-3 ``config.json`` (official, SpecForge or vLLM speculators) for ``target``.
+
+        Taps come from ``eagle_aux_hidden_state_layer_ids`` (top level or under ``eagle_config``,
+        vLLM's "input of layer j" convention, converted to output of layer j - 1), else
+        :func:`default_aux_layers`. A missing ``draft_vocab_size`` means the full vocabulary; a
+        missing ``target_hidden_size`` means the head's own hidden size. ValueError names the field.
+        """
+        raw = _flatten(raw)
+        cfg = RawConfig(raw, source)
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise cfg.fail("hidden_act", f"only 'silu' is supported, got {act!r}")
+        if int(cfg.get("num_hidden_layers", 1)) != 1:
+            raise cfg.fail("num_hidden_layers", f"an EAGLE-3 head has one layer, got {raw['num_hidden_layers']}")
+        hidden = cfg.require("hidden_size")
+        heads = cfg.require("num_attention_heads")
+        vocab = cfg.require("vocab_size") if "vocab_size" in raw else target.vocab_size
+        if vocab != target.vocab_size:
+            raise cfg.fail("vocab_size", f"the head is for a vocabulary of {vocab}, the target has {target.vocab_size}")
+        if "target_hidden_size" in raw and raw["target_hidden_size"] is not None:
+            target_hidden = cfg.require("target_hidden_size")
+            if target_hidden != target.hidden_size:
+                raise cfg.fail("target_hidden_size", f"the head expects target hidden size {target_hidden}, "
+                                                     f"the target model has {target.hidden_size}")
+        else:
+            target_hidden = hidden
+            if hidden != target.hidden_size:
+                raise cfg.fail("hidden_size", f"the head has hidden size {hidden} and no target_hidden_size, so it "
+                                              f"expects a target of hidden size {hidden}; the target has "
+                                              f"{target.hidden_size}")
+        draft_vocab = cfg.require("draft_vocab_size") if raw.get("draft_vocab_size") is not None else vocab
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=cfg.require("intermediate_size"),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=parse_rope(cfg),
+            vocab_size=vocab,
+            draft_vocab_size=draft_vocab,
+            target_hidden_size=target_hidden,
+            aux_layers=_aux_layers(cfg, target.num_layers),
+            norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", target.max_position_embeddings)),
+        )
+
+    def to_config(self) -> dict[str, Any]:
+        """The ``config.json`` of this head in SpecForge's EAGLE-3 layout (what from_config reads).
+
+        ``eagle_aux_hidden_state_layer_ids`` is written in vLLM's "input of layer j" convention:
+        ``aux_layers[i] + 1`` (top level and under ``eagle_config``).
+        """
+        ids = [int(i) + 1 for i in self.aux_layers]
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": _rope_scaling(self.rope),
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "tie_word_embeddings": False,
+            "norm_before_residual": self.norm_before_residual,
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids},
+        }
+
+
+def _aux_layers(cfg: RawConfig, num_layers: int) -> tuple[int, int, int]:
+    key = "eagle_aux_hidden_state_layer_ids"
+    top = cfg.raw.get(key)
+    nested = (cfg.raw.get("eagle_config") or {}).get(key) if isinstance(cfg.raw.get("eagle_config"), dict) else None
+    if top is not None and nested is not None and list(top) != list(nested):
+        raise cfg.fail(key, f"top level says {list(top)}, eagle_config says {list(nested)}")
+    ids = top if top is not None else nested
+    if ids is None:
+        return default_aux_layers(num_layers)
+    if not isinstance(ids, (list, tuple)) or len(ids) != 3 or not all(isinstance(j, int) for j in ids):
+        raise cfg.fail(key, f"expected three layer ids, got {ids!r}")
+    for j in ids:  # "input of layer j" = output of layer j - 1; j = L is the last layer's output
+        if not 1 <= j <= num_layers:
+            raise cfg.fail(key, f"layer id {j} is outside [1, {num_layers}] for a target of {num_layers} layers "
+                                f"(ids name the input of layer j; 0, the embedding output, is not supported)")
+    return tuple(j - 1 for j in ids)
+
+
+# ---- weights ------------------------------------------------------------------------------------
+
+
+class _Proj(nn.Module):
+    """A bias-free projection stored as ``weight`` [out, in] (nn.Linear's name, no init)."""
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype))
+
+
+class _Norm(nn.Module):
+    def __init__(self, size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: Eagle3Config, dtype: torch.dtype):
+        super().__init__()
+        H, D = c.hidden_size, c.head_dim
+        self.q_proj = _Proj(c.num_heads * D, 2 * H, dtype)
+        self.k_proj = _Proj(c.num_kv_heads * D, 2 * H, dtype)
+        self.v_proj = _Proj(c.num_kv_heads * D, 2 * H, dtype)
+        self.o_proj = _Proj(H, c.num_heads * D, dtype)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, c: Eagle3Config, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = _Proj(c.intermediate_size, c.hidden_size, dtype)
+        self.up_proj = _Proj(c.intermediate_size, c.hidden_size, dtype)
+        self.down_proj = _Proj(c.hidden_size, c.intermediate_size, dtype)
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config, dtype: torch.dtype):
+        super().__init__()
+        self.hidden_norm = _Norm(c.hidden_size, dtype)
+        self.input_layernorm = _Norm(c.hidden_size, dtype)
+        self.self_attn = _Attention(c, dtype)
+        self.post_attention_layernorm = _Norm(c.hidden_size, dtype)
+        self.mlp = _Mlp(c, dtype)
+
+
+def expected_shapes(c: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Official tensor names of a head and their shapes (``d2t``/``t2d`` only with a reduced vocabulary)."""
+    H, D, Hq, Hkv, I = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
+    shapes = {
+        "fc.weight": (H, 3 * c.target_hidden_size),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (Hq * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (Hkv * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (Hkv * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, Hq * D),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (c.draft_vocab_size, H),
+    }
+    if c.draft_vocab_size < c.vocab_size:
+        shapes.update({"d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)})
+    return shapes
+
+
+# ---- draft KV cache -----------------------------------------------------------------------------
+
+
+@dataclass
+class StepInputs:
+    """Where the new tokens of one forward go and what they see (see :meth:`DraftCache.append_inputs`)."""
+
+    positions: torch.Tensor  # long [B, T]: rope positions
+    slots: torch.Tensor  # long [B, T]: cache slot written; -1 for padding (not written)
+    visible: torch.Tensor  # bool [B, T, S]: query (b, t) attends slot s
+
+
+@dataclass
+class DraftCache:
+    """The draft head's KV cache, allocated once and written at explicit slots (gpt-fast style).
+
+    ``lengths[b]`` entries of request b are the accepted prefix (EAGLE's ``stable_kv``): slots
+    ``[0, lengths[b])``. Slots from ``lengths[b]`` on are scratch for tree expansion; the next
+    catch-up overwrites them.
+    """
+
+    k: torch.Tensor  # [B, Hkv, S_max, D]
+    v: torch.Tensor  # [B, Hkv, S_max, D]
+    lengths: list[int]  # [B]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def reset(self, rows: Optional[Sequence[int]] = None) -> None:
+        """Forgets the entries of the given requests (all by default); the memory is reused."""
+        for b in range(self.batch) if rows is None else rows:
+            self.lengths[b] = 0
+
+    def advance(self, num: Sequence[int]) -> None:
+        """Marks ``num[b]`` more entries of request b as accepted (after a catch-up forward)."""
+        if len(num) != self.batch:
+            raise ValueError(f"advance: num has {len(num)} entries, the cache holds {self.batch} requests")
+        for b, n in enumerate(num):
+            if not 0 <= self.lengths[b] + int(n) <= self.max_len:
+                raise ValueError(f"advance: request {b} would hold {self.lengths[b] + int(n)} entries, "
+                                 f"max_len is {self.max_len}")
+            self.lengths[b] += int(n)
+
+    def append_inputs(self, num: Sequence[int]) -> StepInputs:
+        """Inputs for appending ``num[b]`` entries to request b (catch-up): slots and positions
+        ``lengths[b] + j``, each entry seeing the accepted prefix and the earlier new entries.
+        Padded tokens (j >= num[b]) get slot -1 and see slot 0 only. Does not advance the lengths."""
+        if len(num) != self.batch:
+            raise ValueError(f"append_inputs: num has {len(num)} entries, the cache holds {self.batch} requests")
+        count, start = torch.tensor([int(n) for n in num]), torch.tensor(self.lengths)
+        if (count < 0).any() or int(count.max()) < 1:
+            raise ValueError(f"append_inputs: num must be >= 0 with at least one token, got {list(num)}")
+        end = start + count
+        if int(end.max()) > self.max_len:
+            b = int(end.argmax())
+            raise ValueError(f"draft cache overflow: request {b} holds {self.lengths[b]} entries, {int(count[b])} "
+                             f"more exceed max_len={self.max_len}")
+        T, S = int(count.max()), int(end.max())
+        j = torch.arange(T)
+        valid = j[None, :] < count[:, None]  # [B, T]
+        positions = start[:, None] + j[None, :]  # [B, T]
+        slots = torch.where(valid, positions, -1)  # [B, T]
+        visible = torch.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        visible &= valid[:, :, None]
+        visible[:, :, 0] |= ~valid
+        device = self.k.device
+        return StepInputs(positions=positions.to(device), slots=slots.to(device), visible=visible.to(device))
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor  # float32 [B, T, Vd]: draft logits over the draft vocabulary
+    hidden: torch.Tensor  # [B, T, H]: the layer's output before the final norm (fed back when expanding)
+
+
+# ---- the head -----------------------------------------------------------------------------------
+
+
+class Eagle3Head(nn.Module):
+    """An EAGLE-3 draft head (REFERENCE.md 1.2). Parameter and buffer names are the official ones,
+    so ``state_dict()`` is an official checkpoint (``embed`` is not in it: it is the target's).
+
+    Parameters
+    ----------
+    config : Eagle3Config
+    embed : Tensor [V, H]
+        Token embedding, frozen (the target's unless the checkpoint has its own).
+    d2t : Tensor int64 [Vd], optional
+        Draft id -> target id offsets (target = id + d2t[id]); zeros (identity) by default.
+    dtype : torch.dtype
+        Parameters are zero-initialised projections and unit norms; load or train them.
+    """
+
+    def __init__(self, config: Eagle3Config, embed: torch.Tensor, d2t: Optional[torch.Tensor] = None, *,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        c = config
+        if tuple(embed.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"Eagle3Head: embed has shape {tuple(embed.shape)}, expected "
+                             f"{(c.vocab_size, c.hidden_size)} (vocab_size, hidden_size)")
+        if d2t is None:
+            d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long)
+        d2t = d2t.to(torch.long).reshape(-1)
+        if d2t.numel() != c.draft_vocab_size:
+            raise ValueError(f"Eagle3Head: d2t has {d2t.numel()} entries, expected "
+                             f"draft_vocab_size={c.draft_vocab_size}")
+        target_ids = torch.arange(c.draft_vocab_size) + d2t  # [Vd]
+        if int(target_ids.min()) < 0 or int(target_ids.max()) >= c.vocab_size:
+            raise ValueError(f"Eagle3Head: d2t maps draft ids to target ids {int(target_ids.min())}.."
+                             f"{int(target_ids.max())}, outside [0, {c.vocab_size})")
+        if target_ids.unique().numel() != c.draft_vocab_size:
+            raise ValueError("Eagle3Head: d2t maps two draft ids to the same target id")
+        self.config = c
+        self.register_buffer("embed", embed.detach().to(dtype), persistent=False)  # [V, H]
+        self.fc = _Proj(c.hidden_size, 3 * c.target_hidden_size, dtype)
+        self.midlayer = _MidLayer(c, dtype)
+        self.norm = _Norm(c.hidden_size, dtype)
+        self.lm_head = _Proj(c.draft_vocab_size, c.hidden_size, dtype)
+        self.register_buffer("d2t", d2t)  # int64 [Vd]
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[target_ids] = True
+        self.register_buffer("t2d", t2d)  # bool [V]: target ids in the draft vocabulary
+        # float32 [D/2]; a plain attribute, not a buffer, so that module.to(bf16) cannot round it
+        self._inv_freq = c.rope.inv_freq(c.head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def official_state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors an official checkpoint holds (no embed; no d2t/t2d with the full vocabulary)."""
+        names = expected_shapes(self.config)
+        return {k: v.detach() for k, v in self.state_dict().items() if k in names}
+
+    def new_cache(self, batch: int, max_len: int) -> DraftCache:
+        """A draft KV cache for ``batch`` requests of up to ``max_len`` entries (accepted prefix and the
+        expansion scratch): k and v are [batch, Hkv, max_len, D] in the head's dtype."""
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"new_cache: batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
+        c = self.config
+        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        device = self.fc.weight.device
+        return DraftCache(torch.zeros(shape, dtype=self.dtype, device=device),
+                          torch.zeros(shape, dtype=self.dtype, device=device), [0] * batch)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft ids (any shape): ``id + d2t[id]``."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 [.., Vd]: ``lm_head(norm(hidden))`` for output hidden states [.., H]."""
+        return F.linear(rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps), self.lm_head.weight).float()
+
+    @torch.inference_mode()
+    def forward(self, cache: DraftCache, tokens: torch.Tensor, hidden: Features, *, positions: torch.Tensor,
+                slots: torch.Tensor, visible: torch.Tensor) -> DraftOutput:
+        """Runs T new entries per request through the head over its cache (catch-up and expansion).
+        Inference mode (no autograd); training goes through :meth:`ttt_forward`.
+
+        Parameters
+        ----------
+        cache : DraftCache
+            k/v [B, Hkv, S_max, D]; the new entries' keys and values are written at ``slots``
+            *before* attention, so an entry can see itself and any other new entry ``visible`` allows.
+        tokens : long [B, T]
+            The token of each entry (for catch-up entry s: x_{s+1}).
+        hidden : target features or draft hidden states
+            Catch-up: the three target taps, a sequence of [B, T, Ht] tensors (``ForwardOutput.hidden``
+            with taps = ``config.aux_layers``) or their concatenation [B, T, 3 Ht]; they go through
+            ``fc``. Expansion: the parents' output hidden states [B, T, H] (``DraftOutput.hidden``),
+            fc skipped. A tensor is told apart by its width; when 3 Ht == H pass the taps as a sequence.
+        positions : long [B, T]
+            Rope positions.
+        slots : long [B, T]
+            Cache slot of each entry, < S_max; -1 marks padding (nothing written).
+        visible : bool [B, T, S], S <= S_max
+            Which cache slots each entry attends. A row with no visible slot sees slot 0 (padding).
+
+        Returns
+        -------
+        DraftOutput
+            ``logits`` float32 [B, T, Vd] over the draft vocabulary (map ids with :meth:`to_target`),
+            ``hidden`` [B, T, H]: outputs before the final norm, the next expansion's input.
+        """
+        c = self.config
+        B, T = tokens.shape
+        if cache.batch != B:
+            raise ValueError(f"forward: tokens has {B} requests, the cache holds {cache.batch}")
+        for name, t, shape in (("positions", positions, (B, T)), ("slots", slots, (B, T))):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"forward: {name} has shape {tuple(t.shape)}, expected {shape}")
+        S = visible.shape[-1]
+        if visible.dtype != torch.bool or tuple(visible.shape[:2]) != (B, T) or S > cache.max_len:
+            raise ValueError(f"forward: visible must be bool [B={B}, T={T}, S <= {cache.max_len}], got "
+                             f"{visible.dtype} {tuple(visible.shape)}")
+        if int(slots.max()) >= cache.max_len:
+            raise ValueError(f"forward: slot {int(slots.max())} is outside the cache (max_len={cache.max_len})")
+        residual, x = self._inputs(tokens, self._features(hidden, allow_own=True))
+        q, k, v = self._qkv(x, positions)  # [B, Hq, T, D], [B, Hkv, T, D] x2
+        rows, cols = (slots >= 0).nonzero(as_tuple=True)
+        cache.k[rows, :, slots[rows, cols]] = k[rows, :, cols]
+        cache.v[rows, :, slots[rows, cols]] = v[rows, :, cols]
+        mask = visible.clone()
+        mask[:, :, 0] |= ~visible.any(dim=-1)
+        o = F.scaled_dot_product_attention(q, cache.k[:, :, :S], cache.v[:, :, :S], attn_mask=mask[:, None],
+                                           scale=c.head_dim ** -0.5, enable_gqa=c.num_heads != c.num_kv_heads)
+        out = self._finish(residual, o)  # [B, T, H]
+        return DraftOutput(logits=self.logits(out), hidden=out)
+
+    def ttt_forward(self, tokens: torch.Tensor, features: Features, steps: int) -> list[DraftOutput]:
+        """EAGLE-3's training-time test over whole sequences: ``steps`` unrolled draft steps (autograd on).
+
+        ``tokens`` long [B, T] are x_0..x_{T-1}, ``features`` the target taps of those tokens
+        ([B, T, 3 Ht] or three [B, T, Ht]). Step j at row t takes token x_{t+1+j} (0 past the end),
+        features ``fc(f_t)`` for j = 0 and the step j-1 output of row t otherwise, and predicts
+        x_{t+2+j}; it has rope position t + j and attends the step-0 keys of rows 0..t (the
+        teacher-forced prefix) plus the keys of its own chain, steps 1..j of row t. That is exactly
+        what a depth-j tree node sees at inference (SafeAILab/EAGLE ``traineagle3/cnets.py`` after
+        its 2025-09 fix). Rows t > T - 2 - j have no target and are the caller's to mask.
+
+        Returns ``steps`` DraftOutputs, logits float32 [B, T, Vd] and hidden [B, T, H].
+        """
+        if steps < 1:
+            raise ValueError(f"ttt_forward: steps must be >= 1, got {steps}")
+        B, T = tokens.shape
+        h = self._features(features, allow_own=False)  # [B, T, H]
+        row = torch.arange(T, device=tokens.device)
+        causal = row[None, :] <= row[:, None]  # [T, T]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs = []
+        for j in range(steps):
+            shifted = torch.zeros_like(tokens)  # [B, T]
+            shifted[:, : max(T - 1 - j, 0)] = tokens[:, 1 + j:]
+            residual, x = self._inputs(shifted, h)
+            q, k, v = self._qkv(x, (row + j).expand(B, T))
+            keys.append(k)
+            values.append(v)
+            h = self._finish(residual, self._chain_attention(q, keys, values, causal))
+            outs.append(DraftOutput(logits=self.logits(h), hidden=h))
+        return outs
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _features(self, hidden: Features, allow_own: bool) -> torch.Tensor:
+        c = self.config
+        if isinstance(hidden, (list, tuple)):
+            if len(hidden) != 3:
+                raise ValueError(f"features: expected the 3 target taps, got {len(hidden)} tensors")
+            hidden = torch.cat(tuple(hidden), dim=-1)
+        elif allow_own and hidden.shape[-1] == c.hidden_size:
+            return hidden.to(self.dtype)  # the draft's own output hidden states
+        if hidden.shape[-1] != 3 * c.target_hidden_size:
+            own = f"{c.hidden_size} (draft hidden states) or " if allow_own else ""
+            raise ValueError(f"features: last dimension is {hidden.shape[-1]}, expected {own}"
+                             f"3 x {c.target_hidden_size} (target taps)")
+        return F.linear(hidden.to(self.dtype), self.fc.weight)
+
+    def _inputs(self, tokens: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual [B, T, H] and the attention input cat(norm(embed), norm(h)) [B, T, 2H]."""
+        m, eps = self.midlayer, self.config.rms_norm_eps
+        normed = rms_norm(h, m.hidden_norm.weight, eps)
+        emb = rms_norm(F.embedding(tokens, self.embed), m.input_layernorm.weight, eps)
+        residual = normed if self.config.norm_before_residual else h
+        return residual, torch.cat((emb, normed), dim=-1)
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """Roped q [B, Hq, T, D] and k [B, Hkv, T, D], and v [B, Hkv, T, D]."""
+        c, a = self.config, self.midlayer.self_attn
+        B, T, _ = x.shape
+        D = c.head_dim
+        q = F.linear(x, a.q_proj.weight).view(B, T, c.num_heads, D).transpose(1, 2)
+        k = F.linear(x, a.k_proj.weight).view(B, T, c.num_kv_heads, D).transpose(1, 2)
+        v = F.linear(x, a.v_proj.weight).view(B, T, c.num_kv_heads, D).transpose(1, 2)
+        if self._inv_freq.device != x.device:
+            self._inv_freq = self._inv_freq.to(x.device)
+        freqs = positions.to(x.device)[..., None].float() * self._inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]  # [B, 1, T, D]
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def _finish(self, residual: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, Hq, T, D] -> o_proj, residual, SwiGLU MLP, residual: [B, T, H]."""
+        m, eps = self.midlayer, self.config.rms_norm_eps
+        B, _, T, _ = o.shape
+        h = residual + F.linear(o.transpose(1, 2).reshape(B, T, -1), m.self_attn.o_proj.weight)
+        x = rms_norm(h, m.post_attention_layernorm.weight, eps)
+        return h + F.linear(F.silu(F.linear(x, m.mlp.gate_proj.weight)) * F.linear(x, m.mlp.up_proj.weight),
+                            m.mlp.down_proj.weight)
+
+    def _chain_attention(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                         causal: torch.Tensor) -> torch.Tensor:
+        """Step len(keys)-1 of the training-time test: q [B, Hq, T, D] attends the step-0 keys
+        causally and, per row, that row's keys of steps 1.. (a diagonal each, so O(T^2 + T K))."""
+        c = self.config
+        groups, scale = c.num_heads // c.num_kv_heads, c.head_dim ** -0.5
+        expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
+        T = q.shape[2]
+        scores = [(q @ expand(keys[0]).transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # [B, Hq, T, T]
+        scores += [(q * expand(k)).sum(-1, keepdim=True) * scale for k in keys[1:]]  # [B, Hq, T, 1] each
+        weights = torch.cat(scores, dim=-1).float().softmax(dim=-1).to(q.dtype)  # [B, Hq, T, T + j]
+        o = weights[..., :T] @ expand(values[0])
+        for i, v in enumerate(values[1:]):
+            o = o + weights[..., T + i, None] * expand(v)
+        return o  # [B, Hq, T, D]
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def _read_tensors(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """All tensors of the head's weight file (pytorch_model.bin first, as EAGLE, then model.safetensors)."""
+    binary, safe = folder / "pytorch_model.bin", folder / "model.safetensors"
+    if binary.is_file():
+        try:
+            tensors = torch.load(binary, map_location="cpu", weights_only=True)
+        except Exception as exc:  # pickle, zip and torch errors all mean the same thing here
+            raise ValueError(f"{binary}: cannot read the weights ({type(exc).__name__}: {exc})") from None
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise ValueError(f"{binary}: expected a dict of tensors (a state dict)")
+        return tensors, binary
+    if safe.is_file():
+        try:
+            return load_safetensors(str(safe)), safe
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ValueError(f"{safe}: cannot read the weights ({exc})") from None
+    raise ValueError(f"{folder}: no pytorch_model.bin or model.safetensors (the EAGLE-3 head's weights)")
+
+
+def _official_name(name: str) -> str:
+    """Maps SpecForge / vLLM names (layers.0.*, draft_id_to_target_id, a model. prefix) to official ones."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    return {"draft_id_to_target_id": "d2t"}.get(name, name)
+
+
+def load_eagle3(folder: Union[str, Path], target: Union[TargetModel, ModelConfig], *,
+                embed: Optional[torch.Tensor] = None, dtype: Optional[Literal["bf16", "fp32"]] = None) -> Eagle3Head:
+    """Loads an EAGLE-3 head from a local folder for ``target``.
+
+    The folder holds ``config.json`` and ``pytorch_model.bin`` (torch.load, weights_only) or
+    ``model.safetensors``, with official names (``midlayer.*``, ``fc``, ``norm``, ``lm_head``,
+    ``d2t``, ``t2d``) or SpecForge/vLLM ones (``layers.0.*``, ``draft_id_to_target_id``). Tensors
+    the head does not use are ignored (EAGLE loads with strict=False).
+
+    Parameters
+    ----------
+    target : TargetModel or ModelConfig
+        The target the head drafts for; its embedding is used when the checkpoint has no
+        ``embed_tokens.weight``. With a ModelConfig pass that embedding [V, H] as ``embed``.
+    dtype : {"bf16", "fp32"}, optional
+        Default: the TargetModel's dtype, else fp32.
+
+    Raises ValueError naming the problem: missing folder, config or weights, unreadable file, a
+    missing or mis-shaped tensor, a hidden size or vocabulary that does not match the target.
+    """
+    folder = Path(folder)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"load_eagle3: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if isinstance(target, TargetModel):
+        target_config = target.config
+        embed = target.weights.embed if embed is None else embed
+        torch_dtype = DTYPES[dtype] if dtype is not None else target.dtype
+    else:
+        target_config = target
+        torch_dtype = DTYPES[dtype] if dtype is not None else torch.float32
+    if not folder.is_dir():
+        raise ValueError(f"EAGLE-3 folder {str(folder)!r} does not exist or is not a folder")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{folder}: no config.json (not an EAGLE-3 checkpoint folder)")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path}: expected a JSON object")
+    config = Eagle3Config.from_config(raw, target_config, str(config_path))
+    found, path = _read_tensors(folder)
+    tensors = {_official_name(k): v for k, v in found.items()}
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in tensors:
+            raise ValueError(f"{path}: tensor {name!r} is missing")
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t
+
+    if "fc.bias" in tensors:
+        raise ValueError(f"{path}: has fc.bias, which EAGLE-1 heads have; this loader reads EAGLE-3 heads only")
+    unknown = sorted(k for k in tensors if k.startswith("midlayer.") and k not in expected_shapes(config)
+                     and ".rotary_emb." not in k)  # old checkpoints may carry rope caches; rope comes from config
+    if unknown:  # e.g. q/k norms or biases of a variant layer: ignoring them would silently change the numerics
+        raise ValueError(f"{path}: tensors {', '.join(unknown[:4])} are not part of the EAGLE-3 layer this loader "
+                         f"implements (Llama-style: no biases, no q/k norms)")
+    V, H = config.vocab_size, config.hidden_size
+    if "embed_tokens.weight" in tensors:
+        embed = take("embed_tokens.weight", (V, H))
+    elif embed is None:
+        raise ValueError(f"{path}: no embed_tokens.weight; pass the target's embedding (embed=) or a TargetModel")
+    elif tuple(embed.shape) != (V, H):
+        raise ValueError(f"{path}: no embed_tokens.weight, and the target's embedding has shape "
+                         f"{tuple(embed.shape)} where the head needs {(V, H)}")
+    if config.draft_vocab_size < V or "d2t" in tensors:  # a full vocabulary needs no d2t (EAGLE deletes it)
+        d2t = take("d2t", (config.draft_vocab_size,))
+        if d2t.is_floating_point():
+            raise ValueError(f"{path}: tensor 'd2t' has dtype {d2t.dtype}, expected an integer type")
+        if "t2d" in tensors:
+            take("t2d", (V,))
+    else:
+        d2t = None
+    try:
+        head = Eagle3Head(config, embed, d2t, dtype=torch_dtype)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    with torch.no_grad():
+        params = dict(head.named_parameters())
+        for name, shape in expected_shapes(config).items():
+            if name in params:
+                t = take(name, shape)
+                if not t.is_floating_point():
+                    raise ValueError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected a float type")
+                params[name].copy_(t)
+    return head.eval().requires_grad_(False)
+
+
+def init_weights(head: Eagle3Head, seed: int) -> Eagle3Head:
+    """Random initial weights for training, from ``seed`` alone (no global RNG): projections
+    uniform in +-1/sqrt(fan_in) (nn.Linear's default range), norms one."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):  # hidden_norm, input_layernorm, post_attention_layernorm, norm
+                p.fill_(1.0)
+            else:
+                bound = 1.0 / math.sqrt(p.shape[1])
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float32).mul_(2 * bound).sub_(bound))
+    return head
+
+
+__all__ = [
+    "DraftCache", "DraftOutput", "Eagle3Config", "Eagle3Head", "StepInputs", "default_aux_layers",
+    "expected_shapes", "init_weights", "load_eagle3",
+]

@@ -1,0 +1,148 @@
+"""EAGLE-3 speculative decoding: the "eagle3" and "eagle3+budget" policies.
+
+One step for a batch of B requests (each request's root is its last emitted token, whose target KV
+is not in the cache yet):
+
+1. draft:   the head's distribution after the root (from the last catch-up) starts each tree; the
+            head then runs depth - 1 expansion steps over the K frontier nodes of every request
+            (EAGLE-2 dynamic tree, :class:`moespec.spec.tree.TreeBuilder`);
+2. select:  each request keeps its ``total_tokens`` best nodes (ancestor-closed);
+3. verify:  one target pass over all trees (ancestor masks, positions = length + depth), with the
+            MoE-Spec expert budget per layer over the whole batch for "eagle3+budget";
+4. accept:  greedy longest match plus bonus, or speculative sampling (:func:`moespec.spec.sampling.accept`);
+5. commit:  the target keeps the accepted path's KV; the draft catches up over the accepted path
+            (target tap features of the path paired with the next tokens) and keeps those entries;
+6. emit:    the accepted draft tokens and the bonus token.
+
+Draft alignment (see :mod:`moespec.spec.eagle3`): draft entry s pairs the target features of
+position s with token s + 1 and sits at draft slot and position s; a tree node at depth d >= 1 runs
+at position n - 1 + d (n = draft entries) in scratch slot n + (d - 1) K + k and sees the accepted
+entries, its expanded ancestors and itself.
+
+Dimensions: B requests, K top-k (frontier size), D tree depth, S draft slots, H draft hidden,
+Vd draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moespec.models import TargetModel
+from moespec.spec.eagle3 import Eagle3Head, load_eagle3
+from moespec.spec.policies import Run, _cache_len
+from moespec.spec.sampling import accept, sample
+from moespec.spec.tree import TreeBuilder
+
+
+class Eagle3Policy:
+    """EAGLE-3 with an EAGLE-2 dynamic tree; with ``config.budget`` the verify pass is budgeted."""
+
+    def __init__(self, target: TargetModel, draft, config):
+        self.target = target
+        self.head: Eagle3Head = draft if isinstance(draft, Eagle3Head) else load_eagle3(draft, target)
+        self.config = config
+        self.name = config.policy
+        self.budget = config.budget if config.policy == "eagle3+budget" else None
+        target.set_taps(self.head.config.aux_layers)
+        self._builders: dict[int, TreeBuilder] = {}
+
+    @property
+    def max_tree_nodes(self) -> int:
+        K, D = self.config.top_k, self.config.depth
+        return min(self.config.total_tokens, K + (D - 1) * K * K) + 1
+
+    def _builder(self, batch: int) -> TreeBuilder:
+        if batch not in self._builders:
+            c = self.config
+            self._builders[batch] = TreeBuilder(batch, depth=c.depth, top_k=c.top_k, total_tokens=c.total_tokens,
+                                                d2t=self.head.d2t)
+        return self._builders[batch]
+
+    # ---- start: prefill the target, catch the draft up over the prompt -----------------------------
+
+    def start(self, batch) -> Run:
+        B, K, D = len(batch), self.config.top_k, self.config.depth
+        cache = self.target.new_cache(B, _cache_len(batch, self.max_tree_nodes + 1))
+        prompts = [r.prompt_ids for r in batch]
+        out = self.target.prefill(cache, prompts)
+        first = [sample(out.logits[b], r.params, r.generator) for b, r in enumerate(batch)]
+        draft_cache = self.head.new_cache(B, _cache_len(batch, D + 2) + (D - 1) * K)
+        run = Run(cache, first, extra={"draft_cache": draft_cache})
+        # catch-up entry s of request b: target features of prompt position s, token s + 1
+        next_tokens = [p[1:] + [f] for p, f in zip(prompts, first)]
+        self._catch_up(run, next_tokens, out.hidden)
+        return run
+
+    def _catch_up(self, run: Run, next_tokens: list[list[int]], features) -> None:
+        """Appends entries to the draft cache (tokens [B][n_b], features: the 3 target taps [B, T, Ht]
+        aligned with them) and keeps the head's output at each request's last new entry."""
+        dc = run.extra["draft_cache"]
+        num = [len(t) for t in next_tokens]
+        T = max(num)
+        tokens = torch.tensor([t + [0] * (T - len(t)) for t in next_tokens])  # [B, T]
+        step = dc.append_inputs(num)
+        out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible)
+        dc.advance(num)
+        last = torch.tensor([max(n - 1, 0) for n in num])
+        rows = torch.arange(len(num))
+        logits, hidden = out.logits[rows, last], out.hidden[rows, last]  # [B, Vd], [B, H]
+        keep = torch.tensor([n > 0 for n in num])[:, None]
+        if "draft_logits" in run.extra:  # requests without new entries keep their previous output
+            logits = torch.where(keep, logits, run.extra["draft_logits"])
+            hidden = torch.where(keep, hidden, run.extra["draft_hidden"])
+        run.extra["draft_logits"], run.extra["draft_hidden"] = logits, hidden
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def step(self, run: Run, batch) -> list[Optional[list[int]]]:
+        active = [not r.finished for r in batch]
+        trees = self._draft(run, [r.last if a else 0 for r, a in zip(batch, active)])
+        tokens = [trees[b].tokens.tolist() if a else [] for b, a in enumerate(active)]
+        parents = [trees[b].parents.tolist() if a else [] for b, a in enumerate(active)]
+        out = self.target.verify(run.cache, tokens, parents, budget=self.budget)
+        run.last_expert_stats = out.expert_stats
+        accepted = [accept(tokens[b], parents[b], out.logits[b, : len(tokens[b])], r.params, r.generator)
+                    if active[b] else None for b, r in enumerate(batch)]
+        self.target.commit(run.cache, [a.path if a else [] for a in accepted])
+        self._catch_up(run, [a.tokens if a else [] for a in accepted], self._path_features(out.hidden, accepted))
+        return [a.tokens if a else None for a in accepted]
+
+    @staticmethod
+    def _path_features(taps, accepted) -> tuple[torch.Tensor, ...]:
+        """The target tap features [B, T, Ht] of each request's accepted path (padded)."""
+        T = max(len(a.path) if a else 0 for a in accepted)
+        out = []
+        for h in taps:  # [B, M + 1, Ht]
+            f = h.new_zeros(h.shape[0], T, h.shape[-1])
+            for b, a in enumerate(accepted):
+                if a:
+                    f[b, : len(a.path)] = h[b, a.path]
+            out.append(f)
+        return tuple(out)
+
+    def _draft(self, run: Run, roots: list[int]):
+        """Builds every request's draft tree (steps 1-2); returns one DraftTree per request."""
+        c, head = self.config, self.head
+        dc = run.extra["draft_cache"]
+        B, K = len(roots), c.top_k
+        builder = self._builder(B)
+        top = torch.log_softmax(run.extra["draft_logits"], dim=-1).topk(K, dim=-1)  # [B, K]
+        frontier = builder.expand_root(roots, top.indices, top.values)
+        n = torch.tensor(dc.lengths)  # [B] accepted draft entries
+        H = run.extra["draft_hidden"].shape[-1]
+        hidden = run.extra["draft_hidden"][:, None, :].expand(B, K, H)  # the frontier's parents' outputs
+        S = int(n.max()) + (c.depth - 1) * K
+        seen = (torch.arange(S)[None, :] < n[:, None])[:, None, :].expand(B, K, S).clone()  # [B, K, S]
+        for d in range(1, c.depth):
+            own = n[:, None] + (d - 1) * K + torch.arange(K)[None, :]  # [B, K] scratch slots
+            seen.scatter_(2, own[:, :, None], True)  # each node sees itself
+            out = head(dc, frontier.tokens.clone(), hidden, positions=(n - 1 + d)[:, None].expand(B, K), slots=own,
+                       visible=seen)
+            top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
+            frontier = builder.expand(top.indices, top.values)
+            parent = frontier.parent_slot.long()[:, :, None]  # [B, K, 1]
+            hidden = out.hidden.gather(1, parent.expand(B, K, H))
+            seen = seen.gather(1, parent.expand(B, K, S))
+        return [t.clone() for t in builder.finalize()]

@@ -1,0 +1,65 @@
+"""Decoding policies: objects with ``start(batch)`` and ``step(run, batch)``, no if-ladders in the loop.
+
+- :class:`ARPolicy` ("ar"): plain autoregressive decoding, one target decode per token.
+- :class:`Eagle3Policy` ("eagle3", "eagle3+budget"): EAGLE-3 speculative decoding. One step:
+  draft (EAGLE-2 dynamic tree from the draft head) -> select tree -> verify (one target pass over
+  every request's tree, with the MoE-Spec expert budget for "eagle3+budget") -> accept -> commit
+  (target and draft caches keep only the accepted path) -> emit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from moespec.models import KVCache, TargetModel
+from moespec.spec.sampling import accept, sample
+
+
+@dataclass
+class Run:
+    """The state of a batch between steps."""
+
+    cache: KVCache
+    first_tokens: list[int]
+    last_expert_stats: Optional[torch.Tensor] = None  # int32 [MoE layers, 4] of the last verify step
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _cache_len(batch, margin: int) -> int:
+    return max(len(r.prompt_ids) + r.params.max_tokens for r in batch) + margin
+
+
+class ARPolicy:
+    """Plain autoregressive decoding."""
+
+    name = "ar"
+
+    def __init__(self, target: TargetModel):
+        self.target = target
+
+    def start(self, batch) -> Run:
+        cache = self.target.new_cache(len(batch), _cache_len(batch, 2))
+        out = self.target.prefill(cache, [r.prompt_ids for r in batch])
+        return Run(cache, [sample(out.logits[b], r.params, r.generator) for b, r in enumerate(batch)])
+
+    def step(self, run: Run, batch) -> list[Optional[list[int]]]:
+        out = self.target.decode(run.cache, [None if r.finished else r.last for r in batch])
+        return [None if r.finished else [sample(out.logits[b], r.params, r.generator)] for b, r in enumerate(batch)]
+
+
+def make_policy(target: TargetModel, draft, config, model_path: Optional[Path] = None):
+    """The policy object for a SpeculativeConfig."""
+    if config.policy == "ar":
+        return ARPolicy(target)
+    if draft is None:
+        raise ValueError(f"policy {config.policy!r} needs an EAGLE-3 draft head (LLM(..., draft=<folder>))")
+    from moespec.spec.eagle3_policy import Eagle3Policy
+
+    return Eagle3Policy(target, draft, config)
+
+
+__all__ = ["ARPolicy", "Run", "accept", "make_policy"]

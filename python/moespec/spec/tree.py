@@ -1,0 +1,395 @@
+"""Draft trees for speculative decoding: EAGLE-2's dynamic expansion and reranking.
+
+Implements DESIGN.md "Contracts" -> "Draft tree" and the tree of "Speculative decoding (EAGLE-3)"
+over the native ``DraftTreeBatch`` (C++: cpp/include/moespec/draft_tree.h, cpp/src/draft_tree.cc,
+which state the exact semantics; EAGLE's counterpart is ``cnets.Model.topK_genrate``). The
+plain-Python reference the tests hold it against is in tests/python/test_draft_tree.py.
+
+One round, for B requests in lockstep::
+
+    frontier = builder.expand_root(root_tokens, tokens, logprobs)  # the root's top-K children
+    while builder.can_expand and more_levels_wanted:
+        ...  # run the draft on frontier.tokens, parents' hidden states picked by frontier.parent_slot
+        frontier = builder.expand(child_tokens, child_logprobs)  # [B, K, K]: top-K after each slot
+    trees = builder.finalize()  # one DraftTree per request: verify them, accept, commit
+
+The builder lives on the CPU and allocates its buffers once; the frontier and the trees it returns
+are views of those buffers, valid until the next call that rewrites them (``clone()`` to keep one).
+Draft-vocabulary ids are mapped to target ids here, in Python (EAGLE-3's ``d2t``), before they reach
+the native builder, which sees target ids only.
+
+Dimensions: B requests, K top-k, D depth (levels below the root), C candidates,
+M tree nodes without the root (M <= total_tokens), W = ceil((M + 1) / 32) mask words, P leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from moespec._loader import native
+from moespec._tensor import view
+
+__all__ = ["Candidates", "DraftTree", "Frontier", "TreeBuilder", "unpack_mask"]
+
+_BIT = torch.arange(32, dtype=torch.int32)  # [32]
+
+
+def unpack_mask(mask_words: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Unpacks bit-packed mask rows: int32 [..., W] -> bool [..., num_nodes].
+
+    Bit ``j % 32`` of word ``j // 32`` is column ``j``.
+
+    Examples
+    --------
+    >>> unpack_mask(torch.tensor([[1], [3]], dtype=torch.int32), 2)
+    tensor([[ True, False],
+            [ True,  True]])
+    """
+    bits = (mask_words.unsqueeze(-1) >> _BIT.to(mask_words.device)) & 1  # [..., W, 32]
+    return bits.flatten(-2)[..., :num_nodes].bool()  # [..., num_nodes]
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """One request's draft tree (the contract of DESIGN.md "Contracts" -> "Draft tree").
+
+    Node 0 is the root (the last accepted token); every other node's parent is an earlier node and
+    the node set is closed under ancestors.
+
+    Attributes
+    ----------
+    tokens : Tensor int64 [M+1]
+        Target token ids (node 0: the root).
+    parents : Tensor int32 [M+1]
+        Parent node index, -1 for the root.
+    depth : Tensor int32 [M+1]
+        Depth below the root: the node's position offset in the verify pass.
+    mask_words : Tensor int32 [M+1, W]
+        Ancestor-or-self attention mask, bit-packed: bit ``j % 32`` of word ``j // 32`` of row ``i``
+        is set iff node ``j`` is node ``i`` or one of its ancestors. :meth:`mask` unpacks it.
+    paths : Tensor int32 [P, max_depth+1]
+        Node indices from the root to each leaf (a node that is nobody's parent), padded with -1,
+        rows in lexicographic order: the ``retrieve_indices`` of acceptance.
+    scores : Tensor float32 [M+1]
+        Cumulative draft log-probability of each node (root 0).
+    candidates : Tensor int32 [M+1]
+        Each node's index among the builder's candidates (root -1), see :meth:`TreeBuilder.candidates`.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    mask_words: torch.Tensor
+    paths: torch.Tensor
+    scores: torch.Tensor
+    candidates: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        """M + 1 (the root included)."""
+        return self.tokens.shape[0]
+
+    def mask(self) -> torch.Tensor:
+        """The ancestor-or-self mask as bool [M+1, M+1]: ``mask[i, j]`` iff j is i or an ancestor of i."""
+        return unpack_mask(self.mask_words, self.num_nodes)
+
+    def clone(self) -> "DraftTree":
+        """A copy that owns its memory (the builder's next finalize does not change it)."""
+        return DraftTree(*(t.clone() for t in (self.tokens, self.parents, self.depth, self.mask_words, self.paths,
+                                                self.scores, self.candidates)))
+
+
+@dataclass(frozen=True, eq=False)
+class Frontier:
+    """The nodes the draft runs on next: the K best candidates of the last level, per request.
+
+    Attributes
+    ----------
+    index : Tensor int32 [B, K]
+        Candidate index of each frontier node, best first.
+    tokens : Tensor int64 [B, K]
+        Its token (a target id): the draft's next input.
+    parent : Tensor int32 [B, K]
+        Candidate index of its parent (-1: the root).
+    parent_slot : Tensor int32 [B, K]
+        Row of its parent in the previous frontier (-1: the root): which of the draft's last outputs
+        (hidden states, KV) continues into this node, as EAGLE's ``out_ids``.
+    scores : Tensor float32 [B, K]
+        Its cumulative draft log-probability.
+    depth : int
+        Its depth below the root (the same for every frontier node: the number of levels so far).
+    """
+
+    index: torch.Tensor
+    tokens: torch.Tensor
+    parent: torch.Tensor
+    parent_slot: torch.Tensor
+    scores: torch.Tensor
+    depth: int
+
+    def clone(self) -> "Frontier":
+        """A copy that owns its memory (the builder's next expand does not change it)."""
+        return Frontier(self.index.clone(), self.tokens.clone(), self.parent.clone(), self.parent_slot.clone(),
+                        self.scores.clone(), self.depth)
+
+
+@dataclass(frozen=True, eq=False)
+class Candidates:
+    """Every candidate one request's expansion recorded, selected or not, by candidate index [C].
+
+    ``tokens`` int64, ``parents`` int32 (candidate index, -1 = the root), ``depth`` int32 (1 for the
+    root's children), ``scores`` float32 (cumulative log-probability). A cost-aware selection
+    (EcoSpec) picks among these.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    scores: torch.Tensor
+
+
+class TreeBuilder:
+    """Builds B requests' EAGLE-2 dynamic draft trees in lockstep (native ``DraftTreeBatch``).
+
+    Parameters
+    ----------
+    batch : int
+        B, the number of requests.
+    depth : int
+        D >= 1: the most levels below the root (the root expansion is level 1, so at most D - 1
+        calls to :meth:`expand`). EAGLE's ``depth=d`` runs d expansions after the root: pass d + 1.
+    top_k : int
+        K, in [1, 64]: children kept per expanded node, and frontier size.
+    total_tokens : int
+        The most tree nodes besides the root, in [1, 4096]; a tree has
+        M = min(total_tokens, C) of them, C = K + (levels - 1) K^2 candidates.
+    d2t : Tensor int64 [V_draft], optional
+        EAGLE-3's draft-to-target vocabulary map: draft id ``i`` is target id ``i + d2t[i]``. When
+        given, the child tokens passed in are draft ids (root tokens are target ids).
+
+    Notes
+    -----
+    Children's log-probabilities must be finite or -inf and at most 1e-3 (a positive one, the
+    rounding of a log-softmax, counts as 0). Ranking is by (score desc, depth asc, candidate index
+    asc), so ties are broken the same way everywhere and the trees are closed under ancestors.
+    Inputs may live on any device (they are copied to the CPU); bad input raises ValueError naming
+    the argument, and leaves the builder as it was.
+
+    Examples
+    --------
+    >>> builder = TreeBuilder(1, depth=2, top_k=2, total_tokens=3)
+    >>> frontier = builder.expand_root(torch.tensor([7]), torch.tensor([[5, 6]]), torch.tensor([[-0.1, -1.0]]))
+    >>> frontier.tokens
+    tensor([[5, 6]])
+    >>> frontier = builder.expand(torch.tensor([[[8, 9], [10, 11]]]),
+    ...                           torch.tensor([[[-0.2, -3.0], [-0.05, -0.5]]]))
+    >>> frontier.tokens, frontier.parent_slot
+    (tensor([[ 8, 10]]), tensor([[0, 1]], dtype=torch.int32))
+    >>> tree = builder.finalize()[0]
+    >>> tree.tokens, tree.parents, tree.depth
+    (tensor([7, 5, 6, 8]), tensor([-1,  0,  0,  1], dtype=torch.int32), tensor([0, 1, 1, 2], dtype=torch.int32))
+    >>> tree.paths
+    tensor([[ 0,  1,  3],
+            [ 0,  2, -1]], dtype=torch.int32)
+    >>> tree.mask().int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 0, 1, 0],
+            [1, 1, 0, 1]], dtype=torch.int32)
+    """
+
+    def __init__(self, batch: int, *, depth: int = 7, top_k: int = 10, total_tokens: int = 60,
+                 d2t: Optional[torch.Tensor] = None) -> None:
+        for name, value in (("batch", batch), ("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name}: expected an int, got {value!r}")
+        if d2t is not None and (not isinstance(d2t, torch.Tensor) or d2t.dim() != 1 or d2t.dtype != torch.int64):
+            raise ValueError(f"d2t: expected an int64 tensor [V_draft], got {_describe(d2t)}")
+        self._native = native().DraftTreeBatch(batch, depth, top_k, total_tokens)
+        self._d2t = d2t
+        B, K = batch, top_k
+        n_max = self._native.max_nodes  # the largest M + 1
+        w_max = (n_max + 31) // 32
+        i32 = dict(dtype=torch.int32)
+        # Frontier buffers [B, K], their descriptors built once.
+        self._f_index = torch.empty(B, K, **i32)  # [B, K]
+        self._f_tokens = torch.empty(B, K, dtype=torch.int64)  # [B, K]
+        self._f_parent = torch.empty(B, K, **i32)  # [B, K]
+        self._f_parent_slot = torch.empty(B, K, **i32)  # [B, K]
+        self._f_scores = torch.empty(B, K, dtype=torch.float32)  # [B, K]
+        self._f_views = (view(self._f_index, "frontier_index"), view(self._f_tokens, "frontier_tokens"),
+                         view(self._f_parent, "frontier_parent"), view(self._f_parent_slot, "frontier_parent_slot"),
+                         None, view(self._f_scores, "frontier_scores"))
+        self._frontier = Frontier(self._f_index, self._f_tokens, self._f_parent, self._f_parent_slot,
+                                  self._f_scores, 0)
+        # Tree buffers for the largest tree; a finalize writes a prefix of them.
+        self._t_tokens = torch.empty(B, n_max, dtype=torch.int64)  # [B, M+1]
+        self._t_parents = torch.empty(B, n_max, **i32)  # [B, M+1]
+        self._t_depth = torch.empty(B, n_max, **i32)  # [B, M+1]
+        self._t_scores = torch.empty(B, n_max, dtype=torch.float32)  # [B, M+1]
+        self._t_candidates = torch.empty(B, n_max, **i32)  # [B, M+1]
+        self._t_mask = torch.empty(B, n_max, w_max, **i32)  # [B, M+1, W]
+        self._t_paths = torch.empty(B, n_max - 1, depth + 1, **i32)  # [B, M, D+1]
+        self._t_leaves = torch.empty(B, **i32)  # [B]
+        self._t_max_depth = torch.empty(B, **i32)  # [B]
+        self._by_levels: dict[int, tuple] = {}  # levels -> (descriptors, per-request slices)
+
+    # -- properties ------------------------------------------------------------------------------
+
+    @property
+    def batch(self) -> int:
+        return self._native.batch
+
+    @property
+    def depth(self) -> int:
+        return self._native.depth
+
+    @property
+    def top_k(self) -> int:
+        return self._native.top_k
+
+    @property
+    def total_tokens(self) -> int:
+        return self._native.total_tokens
+
+    @property
+    def levels(self) -> int:
+        """Levels expanded in the current trees (0 before :meth:`expand_root`)."""
+        return self._native.levels
+
+    @property
+    def can_expand(self) -> bool:
+        """Whether :meth:`expand` may be called now (1 <= levels < depth)."""
+        return 1 <= self._native.levels < self._native.depth
+
+    @property
+    def num_candidates(self) -> int:
+        """C: candidates recorded per request so far."""
+        return self._native.num_candidates
+
+    # -- one round -------------------------------------------------------------------------------
+
+    def expand_root(self, root_tokens: Union[torch.Tensor, Sequence[int]], tokens: torch.Tensor,
+                    logprobs: torch.Tensor) -> Frontier:
+        """Starts new trees from each request's root and the draft's top-K after it.
+
+        Parameters
+        ----------
+        root_tokens : Tensor int32 | int64 [B] (or a list of ints)
+            The last accepted token of each request (a target id).
+        tokens : Tensor int32 | int64 [B, K]
+            The draft's top-K tokens after the root (draft ids when the builder has a ``d2t``).
+        logprobs : Tensor float [B, K]
+            Their log-probabilities (converted to float32).
+
+        Returns
+        -------
+        Frontier
+            The K children of each root, best first (depth 1).
+        """
+        # Locals keep converted copies alive while the native call reads them.
+        roots, tokens, logprobs = _cpu(torch.as_tensor(root_tokens)), self._map(tokens), _float32(logprobs)
+        self._native.expand_root(view(roots, "root_tokens"), view(tokens, "tokens"), view(logprobs, "logprobs"),
+                                 *self._f_views)
+        return self._current_frontier()
+
+    def expand(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Frontier:
+        """Adds one level: the draft's top-K children of every frontier node.
+
+        Parameters
+        ----------
+        tokens : Tensor int32 | int64 [B, K, K]
+            ``tokens[b, s]``: the top-K tokens after frontier slot ``s`` of request ``b``.
+        logprobs : Tensor float [B, K, K]
+            Their log-probabilities; a child's score is its parent's plus this.
+
+        Returns
+        -------
+        Frontier
+            The K best of the K^2 new candidates of each request, best first.
+        """
+        tokens, logprobs = self._map(tokens), _float32(logprobs)  # locals: alive during the call
+        self._native.expand(view(tokens, "tokens"), view(logprobs, "logprobs"), *self._f_views)
+        return self._current_frontier()
+
+    def finalize(self) -> list[DraftTree]:
+        """Each request's tree: its ``min(total_tokens, C)`` best candidates, in creation order.
+
+        Returns
+        -------
+        list of DraftTree, one per request
+            Views of the builder's buffers, valid until the next ``finalize`` (``clone()`` to keep).
+        """
+        levels = self._native.levels
+        if levels not in self._by_levels:
+            self._by_levels[levels] = self._layout(levels)
+        descriptors, slices = self._by_levels[levels]
+        self._native.finalize(*descriptors)
+        trees = []
+        for (tokens, parents, depth, mask, paths, strides, offset, scores, candidates), leaves, max_depth in zip(
+                slices, self._t_leaves.tolist(), self._t_max_depth.tolist()):
+            paths = paths.as_strided((leaves, max_depth + 1), strides, offset)  # [P, max_depth+1]
+            trees.append(DraftTree(tokens, parents, depth, mask, paths, scores, candidates))
+        return trees
+
+    def candidates(self, b: int) -> Candidates:
+        """Request ``b``'s candidate records [C] (new tensors)."""
+        c = self._native.num_candidates
+        out = Candidates(torch.empty(c, dtype=torch.int64), torch.empty(c, dtype=torch.int32),
+                         torch.empty(c, dtype=torch.int32), torch.empty(c, dtype=torch.float32))
+        self._native.read_candidates(b, view(out.tokens, "tokens"), view(out.parents, "parents"),
+                                     view(out.depth, "depth"), view(out.scores, "scores"))
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _current_frontier(self) -> Frontier:
+        levels = self._native.levels
+        if self._frontier.depth != levels:
+            self._frontier = Frontier(self._f_index, self._f_tokens, self._f_parent, self._f_parent_slot,
+                                      self._f_scores, levels)
+        return self._frontier
+
+    def _map(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self._d2t is not None and isinstance(tokens, torch.Tensor):
+            d2t = self._d2t.to(tokens.device)
+            if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= d2t.shape[0]):
+                raise ValueError(f"tokens: draft ids must lie in [0, {d2t.shape[0]}) to be mapped through d2t, "
+                                 f"got values in [{int(tokens.min())}, {int(tokens.max())}]")
+            tokens = tokens + d2t[tokens]
+        return _cpu(tokens)
+
+    def _layout(self, levels: int) -> tuple:
+        """Descriptors of the finalize outputs for trees of ``levels`` levels, and per-request slices."""
+        n = self._native.num_nodes  # M + 1
+        w = (n + 31) // 32
+        tokens, parents, depth = self._t_tokens[:, :n], self._t_parents[:, :n], self._t_depth[:, :n]
+        scores, candidates = self._t_scores[:, :n], self._t_candidates[:, :n]
+        mask, paths = self._t_mask[:, :n, :w], self._t_paths[:, :n - 1, :levels + 1]
+        descriptors = (view(tokens, "tokens"), view(parents, "parents"), view(depth, "depth"),
+                       view(scores, "scores"), view(candidates, "candidates"), view(mask, "mask_words"),
+                       view(paths, "paths"), view(self._t_leaves, "num_leaves"),
+                       view(self._t_max_depth, "max_depth"))
+        # (as_strided of a request's paths costs less than slicing them: a finalize does it B times)
+        slices = [(tokens[b], parents[b], depth[b], mask[b], paths[b], paths[b].stride(), paths[b].storage_offset(),
+                   scores[b], candidates[b]) for b in range(self.batch)]
+        return descriptors, slices
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} ({t.device})"
+    return type(t).__name__
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t if not isinstance(t, torch.Tensor) or t.device.type == "cpu" else t.cpu()
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32:
+        t = t.float()
+    return _cpu(t)

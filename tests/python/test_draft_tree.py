@@ -1,0 +1,281 @@
+"""Draft trees (moespec.spec.TreeBuilder over the native DraftTreeBatch) against a plain-Python
+EAGLE-2 reference, the tree contract's invariants, and bad input.
+
+The reference below follows EAGLE's cnets.Model.topK_genrate (REFERENCE.md 3, section 1.4) in
+gpt-fast style, with the tie rule of cpp/include/moespec/draft_tree.h: ranking by (score desc,
+depth asc, candidate index asc); scores are float32 sums, so trees must be identical. Hypothesis
+draws K in 1..10, depth 1..8, total_tokens 1..80, B in 1..3; the log-prob tables come from a seeded
+generator (with coarse values and all-equal tables for ties, -inf and tiny positive values drawn
+too), so failures reproduce from the seed.
+"""
+
+from __future__ import annotations
+
+import doctest
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import moespec.spec.tree
+from moespec.spec import DraftTree, TreeBuilder, unpack_mask
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- plain-Python reference (one request) ------------------------------------------------------
+
+def eagle2_reference(root: int, root_tokens, root_logprobs, level_tokens, level_logprobs, total_tokens: int):
+    """EAGLE-2's dynamic tree: returns (frontiers, tree) where each frontier is a list of
+    (candidate index, token, parent slot, score) and tree a dict of plain lists."""
+    K = len(root_tokens)
+    tok = [int(t) for t in root_tokens]
+    parent = [-1] * K
+    depth = [1] * K
+    scores = root_logprobs.float().clamp(max=0)  # [K]
+    all_scores = [scores]
+    order = torch.sort(scores, descending=True, stable=True).indices.tolist()  # stable: ties by index
+    frontier, slots = order, [-1] * K
+    frontiers = [[(c, tok[c], s, scores[c].item()) for c, s in zip(frontier, slots)]]
+    for toks, lps in zip(level_tokens, level_logprobs):
+        base = len(tok)
+        cu = all_scores_at(all_scores, frontier)[:, None] + lps.float().clamp(max=0)  # [K, K]
+        for s in range(K):
+            for j in range(K):
+                tok.append(int(toks[s, j]))
+                parent.append(frontier[s])
+                depth.append(depth[frontier[s]] + 1)
+        all_scores.append(cu.flatten())
+        best = torch.sort(cu.flatten(), descending=True, stable=True).indices[:K].tolist()
+        frontier, slots = [base + i for i in best], [i // K for i in best]
+        frontiers.append([(c, tok[c], s, cu.flatten()[c - base].item()) for c, s in zip(frontier, slots)])
+    score = torch.cat(all_scores).tolist()  # [C]
+    C = len(tok)
+    ranked = sorted(range(C), key=lambda i: (-score[i], depth[i], i))
+    selected = sorted(ranked[:total_tokens])
+    node_of = {c: n + 1 for n, c in enumerate(selected)}
+    tree = {
+        "tokens": [root] + [tok[c] for c in selected],
+        "parents": [-1] + [0 if parent[c] < 0 else node_of[parent[c]] for c in selected],
+        "depth": [0] + [depth[c] for c in selected],
+        "scores": [0.0] + [score[c] for c in selected],
+        "candidates": [-1] + selected,
+    }
+    return frontiers, tree
+
+
+def all_scores_at(all_scores, idx):
+    return torch.cat(all_scores)[torch.tensor(idx)]
+
+
+def ancestors_or_self(parents: list[int], i: int) -> set[int]:
+    out = set()
+    while i >= 0:
+        out.add(i)
+        i = parents[i]
+    return out
+
+
+def leaf_paths(parents: list[int]) -> list[list[int]]:
+    """Root-to-leaf node paths, lexicographic."""
+    is_parent = set(parents[1:])
+    paths = [sorted(ancestors_or_self(parents, n)) for n in range(len(parents)) if n not in is_parent]
+    return sorted(paths)
+
+
+def check_contract(tree: DraftTree, total_tokens: int, num_candidates: int) -> None:
+    parents, depth = tree.parents.tolist(), tree.depth.tolist()
+    m = min(total_tokens, num_candidates)
+    assert tree.num_nodes == m + 1
+    assert parents[0] == -1 and depth[0] == 0 and tree.candidates[0] == -1
+    cands = tree.candidates.tolist()
+    for n in range(1, m + 1):
+        assert 0 <= parents[n] < n, "parents are earlier nodes"
+        assert depth[n] == depth[parents[n]] + 1
+        assert cands[parents[n]] < cands[n], "candidates are in creation order"
+    want_mask = torch.zeros(m + 1, m + 1, dtype=torch.bool)
+    for i in range(m + 1):
+        for j in ancestors_or_self(parents, i):  # ancestor closure: every ancestor is a node
+            want_mask[i, j] = True
+    assert torch.equal(tree.mask(), want_mask)
+    assert tree.mask_words.shape == (m + 1, (m + 32) // 32)
+    assert not unpack_mask(tree.mask_words, 32 * tree.mask_words.shape[1])[:, m + 1:].any()  # padding bits
+    paths = leaf_paths(parents)
+    width = max(depth) + 1
+    assert tree.paths.shape == (len(paths), width)
+    assert tree.paths.tolist() == [p + [-1] * (width - len(p)) for p in paths]
+
+
+# ---- cases -----------------------------------------------------------------------------------------
+
+@st.composite
+def tree_cases(draw):
+    k = draw(st.integers(1, 10))
+    depth = draw(st.integers(1, 8))
+    total = draw(st.integers(1, 80))
+    batch = draw(st.integers(1, 3))
+    levels = draw(st.integers(1, depth))
+    style = draw(st.sampled_from(["continuous", "coarse", "equal"]))
+    p_inf = draw(st.sampled_from([0.0, 0.05, 0.5]))
+    p_tiny = draw(st.sampled_from([0.0, 0.1]))
+    token_dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+
+    def logprobs(*shape):
+        x = -8.0 * torch.rand(*shape, generator=gen)
+        if style == "coarse":  # many exact ties
+            x = x.round()
+        elif style == "equal":
+            x = torch.full(shape, -float(torch.randint(0, 3, (), generator=gen)))
+        x[torch.rand(*shape, generator=gen) < p_tiny] = 5e-4  # the rounding of a log-softmax: counts as 0
+        x[torch.rand(*shape, generator=gen) < p_inf] = -float("inf")
+        return x
+
+    def tokens(*shape):
+        return torch.randint(0, 1000, shape, generator=gen, dtype=token_dtype)
+
+    roots = tokens(batch)
+    first = (tokens(batch, k), logprobs(batch, k))
+    steps = [(tokens(batch, k, k), logprobs(batch, k, k)) for _ in range(levels - 1)]
+    return k, depth, total, roots, first, steps
+
+
+@SETTINGS
+@given(tree_cases())
+def test_trees_equal_the_eagle2_reference_at_every_level(case):
+    k, depth, total, roots, (tok0, lp0), steps = case
+    builder = TreeBuilder(roots.shape[0], depth=depth, top_k=k, total_tokens=total)
+    frontiers = [builder.expand_root(roots, tok0, lp0).clone()]  # clones: the builder reuses its buffers
+    trees = [[t.clone() for t in builder.finalize()]]
+    for toks, lps in steps:
+        frontiers.append(builder.expand(toks, lps).clone())
+        trees.append([t.clone() for t in builder.finalize()])
+    assert builder.levels == len(steps) + 1
+    assert builder.can_expand == (builder.levels < depth)
+    for b in range(roots.shape[0]):
+        want_frontiers, _ = eagle2_reference(int(roots[b]), tok0[b], lp0[b], [s[0][b] for s in steps],
+                                             [s[1][b] for s in steps], total)
+        for level, (got, want) in enumerate(zip(frontiers, want_frontiers), start=1):
+            assert got.depth == level
+            assert got.index[b].tolist() == [w[0] for w in want]
+            assert got.tokens[b].tolist() == [w[1] for w in want]
+            assert got.parent_slot[b].tolist() == [w[2] for w in want]
+            assert got.scores[b].tolist() == [w[3] for w in want]
+        for level in range(1, len(steps) + 2):
+            _, want = eagle2_reference(int(roots[b]), tok0[b], lp0[b], [s[0][b] for s in steps[:level - 1]],
+                                       [s[1][b] for s in steps[:level - 1]], total)
+            tree = trees[level - 1][b]
+            num_candidates = k + (level - 1) * k * k
+            check_contract(tree, total, num_candidates)
+            assert tree.tokens.dtype == torch.int64
+            assert tree.tokens.tolist() == want["tokens"]
+            assert tree.parents.tolist() == want["parents"]
+            assert tree.depth.tolist() == want["depth"]
+            assert tree.scores.tolist() == want["scores"]
+            assert tree.candidates.tolist() == want["candidates"]
+        cands = builder.candidates(b)
+        for n, c in enumerate(trees[-1][b].candidates.tolist()[1:], start=1):
+            assert cands.tokens[c] == trees[-1][b].tokens[n]
+            assert cands.scores[c] == trees[-1][b].scores[n]
+            assert cands.depth[c] == trees[-1][b].depth[n]
+
+
+def test_hand_worked_tree_and_the_docstring_example():
+    builder = TreeBuilder(2, depth=3, top_k=2, total_tokens=4)
+    builder.expand_root(torch.tensor([100, 1]), torch.tensor([[5, 6], [1, 1]]),
+                        torch.tensor([[-0.1, -1.0], [0.0, 0.0]]))
+    builder.expand(torch.tensor([[[7, 8], [9, 10]], [[1, 1], [1, 1]]]),
+                   torch.tensor([[[-0.2, -3.0], [-0.05, -0.5]], [[0.0, 0.0], [0.0, 0.0]]]))
+    builder.expand(torch.tensor([[[11, 12], [13, 14]], [[1, 1], [1, 1]]]),
+                   torch.tensor([[[-0.1, -2.0], [-0.01, -0.02]], [[0.0, 0.0], [0.0, 0.0]]]))
+    tree, ties = builder.finalize()
+    assert tree.tokens.tolist() == [100, 5, 6, 7, 11]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 3]
+    assert tree.mask_words.flatten().tolist() == [1, 3, 5, 11, 27]
+    assert tree.paths.tolist() == [[0, 1, 3, 4], [0, 2, -1, -1]]
+    assert ties.candidates.tolist() == [-1, 0, 1, 2, 3]  # all scores 0: shallow first, then early
+    assert ties.parents.tolist() == [-1, 0, 0, 1, 1]
+    failures, _ = doctest.testmod(moespec.spec.tree)
+    assert failures == 0
+
+
+def test_d2t_maps_draft_ids_to_target_ids():
+    gen = torch.Generator().manual_seed(3)
+    d2t = torch.randint(0, 500, (100,), generator=gen)
+    tok0, lp0 = torch.randint(0, 100, (2, 4), generator=gen), -torch.rand(2, 4, generator=gen)
+    tok1, lp1 = torch.randint(0, 100, (2, 4, 4), generator=gen), -torch.rand(2, 4, 4, generator=gen)
+    mapped = TreeBuilder(2, depth=2, top_k=4, total_tokens=9, d2t=d2t)
+    plain = TreeBuilder(2, depth=2, top_k=4, total_tokens=9)
+    f = mapped.expand_root([3, 4], tok0, lp0)
+    assert torch.equal(f.tokens, torch.gather(tok0 + d2t[tok0], 1, f.index.long()))
+    plain.expand_root([3, 4], tok0 + d2t[tok0], lp0)
+    mapped.expand(tok1, lp1)
+    plain.expand(tok1 + d2t[tok1], lp1)
+    for a, b in zip(mapped.finalize(), plain.finalize()):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert a.tokens[0] in (3, 4)  # roots are target ids already
+    with pytest.raises(ValueError, match=r"tokens: draft ids must lie in \[0, 100\)"):
+        mapped.expand_root([3, 4], tok0 + 100, lp0)
+    with pytest.raises(ValueError, match="d2t: expected an int64 tensor"):
+        TreeBuilder(1, top_k=2, d2t=d2t.int())
+
+
+def test_wide_masks_use_the_sign_bit_and_trees_are_views_until_clone():
+    builder = TreeBuilder(1, depth=3, top_k=8, total_tokens=70)
+    builder.expand_root([0], torch.arange(8)[None], torch.zeros(1, 8))
+    builder.expand(torch.zeros(1, 8, 8, dtype=torch.int64), torch.full((1, 8, 8), -1.0))
+    tree = builder.finalize()[0]
+    assert tree.num_nodes == 71 and tree.mask_words.shape == (71, 3)
+    assert tree.mask_words[31, 0] < 0  # bit 31 of word 0: node 31 sees itself
+    kept = tree.clone()
+    check_contract(kept, 70, 72)
+    builder.expand_root([5], torch.arange(8)[None], torch.zeros(1, 8))
+    again = builder.finalize()[0]
+    assert again.num_nodes == 9 and kept.num_nodes == 71 and kept.tokens[0] == 0
+    assert again.tokens[0] == 5
+
+
+def test_bad_input_raises_value_error_naming_the_argument():
+    for kwargs, name in [(dict(depth=0), "depth"), (dict(top_k=0), "top_k"), (dict(top_k=65), "top_k"),
+                         (dict(total_tokens=0), "total_tokens"), (dict(total_tokens=5000), "total_tokens"),
+                         (dict(depth=2.5), "depth")]:
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            TreeBuilder(1, **kwargs)
+    with pytest.raises(ValueError, match="^batch: "):
+        TreeBuilder(0)
+    builder = TreeBuilder(2, depth=2, top_k=3, total_tokens=5)
+    good_tok, good_lp = torch.zeros(2, 3, dtype=torch.int64), torch.full((2, 3), -1.0)
+    with pytest.raises(ValueError, match="^expand: the trees have no root yet"):
+        builder.expand(torch.zeros(2, 3, 3, dtype=torch.int64), torch.zeros(2, 3, 3))
+    with pytest.raises(ValueError, match="^finalize: "):
+        builder.finalize()
+    cases = [
+        (dict(logprobs=torch.tensor([[-1.0, float("nan"), -1.0], [-1.0] * 3])), r"^logprobs: .*got nan at \[0, 1\]"),
+        (dict(logprobs=torch.tensor([[-1.0] * 3, [-1.0, -1.0, 0.01]])), r"^logprobs: .*got 0.01 at \[1, 2\]"),
+        (dict(logprobs=torch.tensor([[-1.0] * 3, [float("inf"), -1.0, -1.0]])), "^logprobs: .*got inf"),
+        (dict(logprobs=torch.full((2, 4), -1.0)), "^logprobs: expected size 3 in dim 1"),
+        (dict(logprobs=torch.full((2, 3), -1, dtype=torch.int32)), "^logprobs: expected dtype float32"),
+        (dict(tokens=torch.tensor([[0, 1, 2], [0, -1, 2]])), r"^tokens: expected token ids in \[0, 2\^31\)"),
+        (dict(tokens=torch.zeros(2, 3, dtype=torch.float32)), "^tokens: expected dtype int32 or int64"),
+        (dict(tokens=torch.zeros(3, 3, dtype=torch.int64)), "^tokens: expected size 2 in dim 0"),
+        (dict(roots=[1, 2, 3]), "^root_tokens: expected size 2 in dim 0"),
+        (dict(roots=[1, -2]), r"^root_tokens: expected a token id in \[0, 2\^31\), got -2 at \[1\]"),
+    ]
+    for change, message in cases:
+        args = dict(roots=[1, 2], tokens=good_tok, logprobs=good_lp) | change
+        with pytest.raises(ValueError, match=message):
+            builder.expand_root(args["roots"], args["tokens"], args["logprobs"])
+        assert builder.levels == 0, "a failed call changes nothing"
+    frontier = builder.expand_root([1, 2], torch.tensor([[4, 5, 6], [7, 8, 9]]), good_lp.double())
+    before = frontier.tokens.clone()
+    with pytest.raises(ValueError, match=r"^logprobs: .*at \[1, 2, 0\]"):
+        bad = torch.full((2, 3, 3), -1.0)
+        bad[1, 2, 0] = float("nan")
+        builder.expand(torch.zeros(2, 3, 3, dtype=torch.int64), bad)
+    assert builder.levels == 1 and torch.equal(frontier.tokens, before)
+    builder.expand(torch.zeros(2, 3, 3, dtype=torch.int64), torch.full((2, 3, 3), -1.0))
+    with pytest.raises(ValueError, match="^expand: the trees already have depth=2 levels"):
+        builder.expand(torch.zeros(2, 3, 3, dtype=torch.int64), torch.full((2, 3, 3), -1.0))
+    with pytest.raises(ValueError, match=r"^b: expected a request index in \[0, 2\)"):
+        builder.candidates(2)

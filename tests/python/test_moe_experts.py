@@ -1,0 +1,128 @@
+"""moe_experts (native CPU kernel) against the plain-torch reference, on every ISA the machine has.
+
+Error bounds, relative to the output's scale (max |reference|):
+- fp32 weights: 1e-5 (the kernel sums dot products in other orders than torch's GEMM);
+- bf16 weights: 8e-3, two bf16 ulps (2^-8 each): both sides compute in fp32 from the same bf16
+  inputs, but the AVX-512 BF16 instructions multiply bf16 pairs and sum them in their own order, so
+  the bf16-rounded hidden activations and the bf16 output can land one rounding step apart.
+Hypothesis draws T, H and I that are not multiples of the SIMD width, E, K, dropped slots, experts
+with no tokens, zero weights, both activations, both dtypes.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from moespec._loader import native
+from moespec.ops import moe_experts, moe_experts_op, num_threads, set_num_threads
+from moespec.ops.reference import moe_experts_reference
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+
+
+@st.composite
+def cases(draw):
+    T = draw(st.sampled_from([0, 1, 2, 3, 7, 16, 17, 40, 64, 130]))
+    H = draw(st.sampled_from([8, 16, 33, 64, 100, 130]))
+    I = draw(st.sampled_from([4, 17, 32, 48, 96]))
+    E = draw(st.sampled_from([1, 2, 5, 8, 16]))
+    K = draw(st.integers(1, min(E, 4)))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    activation = draw(st.sampled_from(["swiglu", "gpt_oss"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    experts = (torch.randn(E, 3 * I * H, generator=g) / H**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32) if T else \
+        torch.zeros(0, K, dtype=torch.int32)
+    drop = torch.rand(T, K, generator=g) < draw(st.sampled_from([0.0, 0.3, 1.0]))
+    ids[drop] = E  # dropped slots (1.0: every slot of every token)
+    weights = torch.rand(T, K, generator=g)
+    weights[torch.rand(T, K, generator=g) < 0.1] = 0.0
+    biases = torch.randn(E, 2 * I + H, generator=g) if activation == "gpt_oss" and draw(st.booleans()) else None
+    return x, ids, weights, experts, I, activation, biases
+
+
+def _check(got, want, dtype):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.numel() == 0:
+        return
+    scale = max(want.float().abs().max().item(), 1e-6)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= TOL[dtype] * scale, f"max |d| = {err:.3g} at scale {scale:.3g}"
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_kernel_matches_plain_torch_on_every_isa(case):
+    x, ids, weights, experts, I, activation, biases = case
+    want = moe_experts_reference(x, ids, weights, experts, I, activation=activation, biases=biases)
+    saved = native().cpu_isa()
+    try:
+        for isa in native().supported_cpu_isas():
+            native().set_cpu_isa(isa)
+            got = moe_experts(x, ids, weights, experts, I, activation=activation, biases=biases)
+            _check(got, want, experts.dtype)
+    finally:
+        native().set_cpu_isa(saved)
+
+
+def test_tokens_with_every_slot_dropped_get_zero():
+    E, H, I = 4, 16, 8
+    x, experts = torch.randn(3, H), torch.randn(E, 3 * I * H)
+    ids = torch.tensor([[0, 1], [E, E], [2, E]], dtype=torch.int32)
+    out = moe_experts(x, ids, torch.ones(3, 2), experts, I)
+    assert torch.all(out[1] == 0) and torch.any(out[0] != 0)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T = 8, 96, 40, 33
+    x, experts = torch.randn(T, H, generator=g).bfloat16(), torch.randn(E, 3 * I * H, generator=g).bfloat16()
+    ids = torch.randint(0, E, (T, 2), generator=g).to(torch.int32)
+    weights = torch.rand(T, 2, generator=g)
+    saved = num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            set_num_threads(n)
+            outs.append(moe_experts(x, ids, weights, experts, I))
+    finally:
+        set_num_threads(saved)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_custom_op_passes_opcheck():
+    E, H, I = 4, 16, 8
+    args = (torch.randn(5, H), torch.randint(0, E + 1, (5, 2), dtype=torch.int32), torch.rand(5, 2),
+            torch.randn(E, 3 * I * H), None, I, 0, 7.0, 1.702)
+    torch.library.opcheck(moe_experts_op, args)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: moe_experts(torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
+                             torch.randn(3, 3 * 4 * 8).bfloat16(), 4), "x: x's dtype must equal experts' dtype bfloat16"),
+        (lambda: moe_experts(torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1),
+                             torch.randn(3, 3 * 4 * 8), 4), "ids: expected dtype int32"),
+        (lambda: moe_experts(torch.randn(2, 8), torch.tensor([[0], [5]], dtype=torch.int32), torch.ones(2, 1),
+                             torch.randn(3, 3 * 4 * 8), 4), "ids"),
+        (lambda: moe_experts(torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 2),
+                             torch.randn(3, 3 * 4 * 8), 4), "weights"),
+        (lambda: moe_experts(torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
+                             torch.randn(3, 3 * 4 * 8), 5), "intermediate_size"),
+        (lambda: moe_experts(torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
+                             torch.randn(3, 3 * 4 * 8), 4, biases=torch.zeros(3, 16)), "biases"),
+        (lambda: moe_experts(torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
+                             torch.randn(3, 3 * 4 * 8), 4, activation="relu"), "activation"),
+        (lambda: moe_experts(torch.randn(2, 8, 1), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
+                             torch.randn(3, 3 * 4 * 8), 4), "x: expected a 2-d tensor"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

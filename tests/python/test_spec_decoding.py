@@ -1,0 +1,202 @@
+"""Speculative decoding end to end on tiny random MoE targets (written by transformers itself).
+
+- greedy ``eagle3`` output equals greedy ``ar`` output token for token: every family, random and
+  trained heads, many tree shapes (hypothesis), budgets off and B >= N, batches of requests;
+- with B < N every verify step keeps at most B experts per layer;
+- sampling emits the target's distribution (first two tokens, against exact probabilities);
+- streaming, statistics, stop conditions, the CLI, and clear errors.
+Targets run in fp32, where verify and decode logits agree to ~1e-6, so greedy ties cannot flip.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import moespec.models as mm
+from moespec import LLM, SamplingParams, SpeculativeConfig
+from moespec.ops import ExpertBudget
+from moespec.spec.eagle3 import default_aux_layers
+from moespec.spec.sampling import probabilities
+from moespec.spec.train import new_head, train_draft
+
+from models_fixtures import FAMILIES, MOE_FAMILIES, V, write_checkpoint
+
+HYPO = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="session")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {f: write_checkpoint(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def models(targets):
+    return {f: mm.load(p, "fp32") for f, p in targets.items()}
+
+
+def _head(model, seed=0):
+    return new_head(model.config, model.weights.embed, None, seed=seed)
+
+
+def _prompts(n, seed=0, lengths=(5, 9, 3, 12)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def _greedy(llm, prompts, n=24):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))]
+
+
+@pytest.fixture(scope="session")
+def ar_outputs(models):
+    prompts = _prompts(3)
+    return prompts, {f: _greedy(LLM(models[f]), prompts) for f in FAMILIES}
+
+
+@HYPO
+@given(family=st.sampled_from(FAMILIES), depth=st.integers(1, 6), top_k=st.integers(1, 6),
+       total=st.integers(1, 40), seed=st.integers(0, 100))
+def test_greedy_eagle3_equals_greedy_ar(family, depth, top_k, total, seed, models, ar_outputs):
+    prompts, want = ar_outputs
+    llm = LLM(models[family], draft=_head(models[family], seed),
+              speculative_config=SpeculativeConfig("eagle3", depth=depth, top_k=top_k, total_tokens=total))
+    assert _greedy(llm, prompts) == want[family]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_budget_of_n_or_more_is_lossless(family, models, ar_outputs):
+    prompts, want = ar_outputs
+    E = models[family].config.moe.num_experts
+    for budget in (ExpertBudget(E), ExpertBudget(E + 3, "truncation")):
+        llm = LLM(models[family], draft=_head(models[family]),
+                  speculative_config=SpeculativeConfig("eagle3+budget", budget=budget))
+        assert _greedy(llm, prompts) == want[family]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_budget_below_n_caps_every_verify_step(family, models):
+    K = models[family].config.moe.top_k
+    llm = LLM(models[family], draft=_head(models[family]),
+              speculative_config=SpeculativeConfig("eagle3+budget", budget=K + 1))
+    outs = llm.generate(_prompts(2), SamplingParams(max_tokens=12, ignore_eos=True))
+    steps = [s for o in outs for s in o.stats.expert_stats]
+    assert steps and all(int(s[:, 1].max()) <= K + 1 for s in steps)  # kept experts per layer
+    assert any(int(s[:, 0].max()) > K + 1 for s in steps)  # the natural union was larger
+
+
+def test_batched_requests_equal_each_alone(models, ar_outputs):
+    prompts, want = ar_outputs
+    llm = LLM(models["qwen3_moe"], draft=_head(models["qwen3_moe"]), max_batch_size=3)
+    assert _greedy(llm, prompts) == want["qwen3_moe"]
+    single = LLM(models["qwen3_moe"], draft=_head(models["qwen3_moe"]), max_batch_size=1)
+    assert _greedy(single, prompts) == want["qwen3_moe"]
+
+
+@pytest.fixture(scope="session")
+def trained_head(tmp_path_factory, targets, models):
+    """A head trained briefly on text the target itself generates (so it predicts the target)."""
+    model = models["qwen3_moe"]
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    ar = LLM(model)
+    lines = []
+    for i, p in enumerate(_prompts(24, seed=7, lengths=(4, 6))):
+        out = ar.generate([p], SamplingParams(max_tokens=40, temperature=0.8, seed=i, ignore_eos=True))[0]
+        lines.append('{"input_ids": %s}' % (p + out.outputs[0].token_ids))
+    corpus.write_text("\n".join(lines) + "\n")
+    out_dir = tmp_path_factory.mktemp("head")
+    torch.set_num_threads(1)
+    try:
+        train_draft(targets["qwen3_moe"], [corpus], out_dir, steps=150, seq_len=32, batch_size=8, lr=3e-3, seed=0,
+                    progress=False)
+    finally:
+        torch.set_num_threads(2)
+    return out_dir
+
+
+def test_trained_head_is_lossless_and_accepts_more(models, ar_outputs, trained_head):
+    prompts, want = ar_outputs
+    model = models["qwen3_moe"]
+    trained = LLM(model, draft=str(trained_head))
+    random = LLM(model, draft=_head(model))
+    assert _greedy(trained, prompts) == want["qwen3_moe"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    good = sum(o.stats.mean_acceptance_length for o in trained.generate(prompts, params))
+    bad = sum(o.stats.mean_acceptance_length for o in random.generate(prompts, params))
+    assert good > bad, (good, bad)
+
+
+def test_sampling_emits_the_targets_distribution(models):
+    """First two tokens at temperature 0.5 / top-k 3 (at most 9 outcomes), 300 draws per policy,
+    against the exact probabilities from the target's own forward: |freq - p| <= 4 standard errors."""
+    model = models["olmoe"]
+    prompt = _prompts(1, seed=3)[0]
+    params = [SamplingParams(max_tokens=2, temperature=0.5, top_k=3, seed=s, ignore_eos=True) for s in range(300)]
+    cache = model.new_cache(1, 32)
+    p1 = probabilities(model.prefill(cache, [prompt]).logits[0], params[0])
+    want = {}
+    for x1 in p1.nonzero().flatten().tolist():
+        c = model.new_cache(1, 32)
+        p2 = probabilities(model.prefill(c, [prompt + [x1]]).logits[0], params[0])
+        for x2 in p2.nonzero().flatten().tolist():
+            want[(x1, x2)] = float(p1[x1] * p2[x2])
+    for llm in (LLM(model), LLM(model, draft=_head(model), speculative_config=SpeculativeConfig(depth=3, top_k=3))):
+        outs = llm.generate([prompt] * len(params), params)
+        counts: dict = {}
+        for o in outs:
+            key = tuple(o.outputs[0].token_ids)
+            counts[key] = counts.get(key, 0) + 1
+        assert set(counts) <= set(want)
+        n = len(params)
+        for key, p in want.items():
+            se = (p * (1 - p) / n) ** 0.5
+            assert abs(counts.get(key, 0) / n - p) <= 4 * se + 0.01, (key, counts.get(key, 0) / n, p)
+
+
+def test_stream_stats_and_stop_conditions(models):
+    model = models["mixtral"]
+    llm = LLM(model, draft=_head(model))
+    prompt = _prompts(1)[0]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    chunks = list(llm.generate_stream(prompt, params))
+    final = llm.generate([prompt], params)[0]
+    assert chunks[-1].finished and chunks[-1].outputs[0].token_ids == final.outputs[0].token_ids
+    assert all(len(a.outputs[0].token_ids) <= len(b.outputs[0].token_ids) for a, b in zip(chunks, chunks[1:]))
+    s = final.stats
+    assert len(final.outputs[0].token_ids) == 10 and final.outputs[0].finish_reason == "length"
+    assert sum(s.acceptance_lengths) >= 9 and s.decode_steps == len(s.acceptance_lengths)
+    assert all(e.shape == (2, 4) for e in s.expert_stats) and len(s.expert_stats) == s.decode_steps
+    ids = final.outputs[0].token_ids
+    cut = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # the first new token after the first
+    stopped = LLM(model).generate([prompt], SamplingParams(max_tokens=10, stop_token_ids=(ids[cut],)))[0]
+    assert stopped.outputs[0].token_ids == ids[: cut + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+
+
+def test_cli_generate(targets, capsys):
+    from moespec.cli import main
+
+    assert main(["generate", "--model", str(targets["llama"]), "--dtype", "fp32", "--prompt-ids", "5,6,7",
+                 "--max-tokens", "5"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out.split()) == 5 and "[ar] 5 tokens" in out.err
+
+
+def test_errors(models, targets):
+    model = models["olmoe"]
+    with pytest.raises(ValueError, match="needs an EAGLE-3 draft head"):
+        LLM(model, speculative_config=SpeculativeConfig("eagle3"))
+    with pytest.raises(ValueError, match="needs a budget"):
+        SpeculativeConfig("eagle3+budget")
+    with pytest.raises(ValueError, match="a budget needs policy 'eagle3\\+budget'"):
+        SpeculativeConfig("eagle3", budget=8)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        LLM(model).generate("hello")
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model, draft="/nonexistent/head")
+    assert default_aux_layers(model.config.num_layers)

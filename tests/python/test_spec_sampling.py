@@ -1,0 +1,92 @@
+"""Acceptance of a verified tree (moespec.spec.sampling): greedy walks, and speculative sampling whose
+emitted tokens follow the target's processed distribution exactly (checked statistically)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from moespec.spec.sampling import SamplingParams, accept, probabilities
+
+
+def test_greedy_follows_matching_children_and_adds_the_bonus():
+    # root -> a(5), b(6); a -> c(7); b -> d(8)
+    tokens, parents = [0, 5, 6, 7, 8], [-1, 0, 0, 1, 2]
+    logits = torch.full((5, 10), -5.0)
+    logits[0, 6] = 1.0  # after the root the target wants 6: node b
+    logits[2, 8] = 1.0  # after b it wants 8: node d
+    logits[4, 3] = 1.0  # after d it wants 3: the bonus
+    got = accept(tokens, parents, logits, SamplingParams())
+    assert got.path == [0, 2, 4] and got.tokens == [6, 8, 3]
+    logits[0, 6], logits[0, 9] = -9.0, 1.0  # now the root's argmax (9) matches no child
+    got = accept(tokens, parents, logits, SamplingParams())
+    assert got.path == [0] and got.tokens == [9]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 2**31 - 1))
+def test_greedy_acceptance_equals_autoregressive_argmax(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    tokens = [0] + [int(torch.randint(0, 6, (1,), generator=g)) for _ in range(1, n)]
+    logits = torch.randn(n, 6, generator=g)
+    got = accept(tokens, parents, logits, SamplingParams())
+    # replay: every emitted token is the argmax at the node before it, and it stops at the first miss
+    node = 0
+    for i, tok in enumerate(got.tokens):
+        assert tok == int(logits[node].argmax())
+        if i + 1 < len(got.path):
+            node = got.path[i + 1]
+            assert tokens[node] == tok and parents[node] == got.path[i]
+    assert len(got.tokens) == len(got.path)
+
+
+def test_probabilities_apply_temperature_top_k_and_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    p = probabilities(logits, SamplingParams(temperature=1.0))
+    assert torch.allclose(p, torch.softmax(logits, -1))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert p[2] == 0 and p[3] == 0 and torch.isclose(p.sum(), torch.tensor(1.0))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.7))  # softmax: .64 .24 .09 .03
+    assert p[0] > 0 and p[1] > 0 and p[2] == 0 and p[3] == 0
+    p = probabilities(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(p, torch.softmax(logits / 0.5, -1))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+                                    SamplingParams(temperature=1.3, top_p=0.8)])
+def test_speculative_sampling_emits_the_targets_distribution(params):
+    """Two emitted tokens' joint distribution against the target's p(x1) p(x2 | x1), over 15000
+    draws; the tree drafts the likeliest and some unlikely tokens (with a duplicate-free sibling
+    order), and the tolerance is 4 standard errors of a multinomial frequency."""
+    V = 6
+    g = torch.Generator().manual_seed(0)
+    # root children: tokens 0, 1, 2; node for token 0 has children 3 and 0; node for token 1 has child 5
+    tokens, parents = [9, 0, 1, 2, 3, 0, 5], [-1, 0, 0, 0, 1, 1, 2]
+    logits = torch.randn(7, V, generator=g) * 1.5
+    # the target distribution after token x at the root: row of the node holding x, else the
+    # continuation logits below (a node not in the tree): use row 0 of a fresh table for those
+    off_tree = torch.randn(V, V, generator=g) * 1.5
+    node_of = {0: 1, 1: 2, 2: 3}
+
+    def p_next(x1):
+        row = logits[node_of[x1]] if x1 in node_of else off_tree[x1]
+        return probabilities(row, params)
+
+    p1 = probabilities(logits[0], params)
+    want = torch.stack([p1[x] * p_next(x) for x in range(V)])  # [V, V]
+    counts = torch.zeros(V, V)
+    draws = 15000
+    for _ in range(draws):
+        got = accept(tokens, parents, logits, params, g)
+        x1 = got.tokens[0]
+        if len(got.tokens) >= 2:
+            x2 = got.tokens[1]
+        else:  # the tree ended at the root: the next token comes from the off-tree continuation
+            x2 = int(torch.multinomial(p_next(x1), 1, generator=g))
+        counts[x1, x2] += 1
+    freq = counts / draws
+    se = (want * (1 - want) / draws).sqrt()
+    assert torch.all((freq - want).abs() <= 4 * se + 1e-3), (freq - want).abs().max()
