@@ -118,16 +118,8 @@ namespace cpu {
 namespace scalar {
 namespace {
 
-template <typename W>
-float to_float(W v);
-template <>
-float to_float<float>(float v) {
-  return v;
-}
-template <>
-float to_float<uint16_t>(uint16_t v) {
-  return detail::bf16_to_float(v);
-}
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return detail::bf16_to_float(v); }
 
 template <typename W>
 void matmul_nt(const void* w, int64_t ldw, int64_t n_rows, const void* act, int64_t ld_act, const int32_t* rows,
@@ -139,7 +131,7 @@ void matmul_nt(const void* w, int64_t ldw, int64_t n_rows, const void* act, int6
     for (int64_t r = 0; r < n_rows; ++r) {
       const W* wr = wp + r * ldw;
       float s = 0.0f;
-      for (int64_t k = 0; k < K; ++k) s += to_float<W>(wr[k]) * a[k];
+      for (int64_t k = 0; k < K; ++k) s += to_float(wr[k]) * a[k];
       c[n * ldc + r] = s;
     }
   }

@@ -24,94 +24,110 @@ constexpr int kR = 2;   // weight rows per block (many tokens)
 constexpr int kTN = 3;  // activation rows per block: 2 x kR x kTN = 12 accumulators (+ 2 weights, 1 activation)
 constexpr int64_t kRowsOuterMaxTokens = 32;  // up to this many tokens, weight rows outer (activations in L2)
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// The lane sums of four vectors, [sum(a), sum(b), sum(c), sum(d)], stored to out[0..3]. Each sum
+// is a fixed tree over its own vector's lanes: ((v0 + v2) + (v1 + v3)) within each 128-bit half,
+// then low half + high half.
+inline void hsum4(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
+  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+  const __m256 v = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// c[n * ldc + r] = the lane sum of v[n * R + r], for R x TN vectors, four at a time.
+template <int R, int TN>
+inline void store_sums(const __m256* v, float* c, int64_t ldc) {
+  constexpr int kCount = R * TN;
+  float sums[(kCount + 3) / 4 * 4];
+  for (int i = 0; i < kCount; i += 4) {
+    const __m256 zero = _mm256_setzero_ps();
+    hsum4(v[i], i + 1 < kCount ? v[i + 1] : zero, i + 2 < kCount ? v[i + 2] : zero,
+          i + 3 < kCount ? v[i + 3] : zero, sums + i);
+  }
+  for (int n = 0; n < TN; ++n)
+    for (int r = 0; r < R; ++r) c[n * ldc + r] = sums[n * R + r];
 }
-// The last n < 8 elements, zero-extended (no read past them).
-template <typename W>
-inline __m256 load_tail(const W* p, int64_t n) {
-  W tmp[8] = {};
-  std::memcpy(tmp, p, static_cast<std::size_t>(n) * sizeof(W));
-  return load8(tmp);
-}
+
+// Weight rows of type W (fp32, or bf16 converted exactly to fp32 by a shift); activations fp32.
+template <typename WT>
+struct Ops8 {
+  using W = WT;
+  using A = float;
+  static constexpr int64_t kStep = 8;
+  static __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
+  static __m256 load_w(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  // The first n < 8 elements, zero-extended (no read past them).
+  static __m256 load_w_tail(const W* p, int64_t n) {
+    W tmp[8] = {};
+    std::memcpy(tmp, p, static_cast<std::size_t>(n) * sizeof(W));
+    return load_w(tmp);
+  }
+  static __m256 load_a(const float* p) { return _mm256_load_ps(p); }
+};
 
 // A tile computes c[n * ldc + r] for R weight rows w[r] and TN activation rows x[n] over K.
 // Canonical order of one element: K is cut into chunks of 8 (the last one zero-extended); chunk i
-// is multiplied into partial accumulator i % 2; the result is hsum(partial 0 + partial 1).
-template <typename W>
+// is multiplied into partial accumulator i % 2; the result is the lane sum (hsum4) of
+// partial 0 + partial 1.
+template <class Ops>
 struct Tile {
-  // pf: null, or R rows to prefetch into L2 meanwhile (the caller's next block of weight rows).
-  template <int R, int TN>
-  static void run(const W* const* w, const float* const* x, int64_t K, float* c, int64_t ldc, const W* const* pf) {
+  using W = typename Ops::W;
+  using A = typename Ops::A;
+  // kPrefetch: also prefetch pf[0 .. R * K) into L2 meanwhile (the caller's next block of weight
+  // rows, contiguous), R * 2 chunks per step.
+  template <int R, int TN, bool kPrefetch = false>
+  static void run(const W* const* w, const A* const* x, int64_t K, float* c, int64_t ldc, const W* pf = nullptr) {
+    constexpr int64_t kStep = Ops::kStep;
     __m256 acc[2][R][TN];
     for (int p = 0; p < 2; ++p)
       for (int r = 0; r < R; ++r)
         for (int n = 0; n < TN; ++n) acc[p][r][n] = _mm256_setzero_ps();
-    const int64_t full = K & ~int64_t{7};
     int64_t k = 0;
-    for (; k + 16 <= full; k += 16) {
-      if (pf != nullptr) {
-        for (int r = 0; r < R; ++r)
-          for (int64_t b = 0; b < 16 * static_cast<int64_t>(sizeof(W)); b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(pf[r] + k) + b, _MM_HINT_T1);
+    for (; k + 2 * kStep <= K; k += 2 * kStep) {
+      if (kPrefetch) {
+        for (int64_t b = 0; b < R * 2 * kStep * static_cast<int64_t>(sizeof(W)); b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + R * k) + b, _MM_HINT_T1);
       }
-      for (int p = 0; p < 2; ++p) {
-        __m256 wr[R];
-        for (int r = 0; r < R; ++r) wr[r] = load8(w[r] + k + 8 * p);
-        for (int n = 0; n < TN; ++n) {
-          const __m256 xn = _mm256_load_ps(x[n] + k + 8 * p);
-          for (int r = 0; r < R; ++r) acc[p][r][n] = _mm256_fmadd_ps(wr[r], xn, acc[p][r][n]);
-        }
-      }
+      step<0, R, TN>(acc, w, x, k, kStep);
+      step<1, R, TN>(acc, w, x, k + kStep, kStep);
     }
-    int p = 0;  // parity of the next chunk
-    if (k < full) {  // one full chunk left: an even one
-      __m256 wr[R];
-      for (int r = 0; r < R; ++r) wr[r] = load8(w[r] + k);
-      for (int n = 0; n < TN; ++n) {
-        const __m256 xn = _mm256_load_ps(x[n] + k);
-        for (int r = 0; r < R; ++r) acc[0][r][n] = _mm256_fmadd_ps(wr[r], xn, acc[0][r][n]);
-      }
-      k += 8;
-      p = 1;
+    const int64_t rest = K - k;  // < 2 chunks: [full chunk,] last chunk
+    if (rest > kStep) {
+      step<0, R, TN>(acc, w, x, k, kStep);
+      step<1, R, TN>(acc, w, x, k + kStep, rest - kStep);
+    } else if (rest > 0) {
+      step<0, R, TN>(acc, w, x, k, rest);
     }
-    if (k < K) {  // the last chunk; activations are zero-padded
-      __m256 wr[R];
-      for (int r = 0; r < R; ++r) wr[r] = load_tail(w[r] + k, K - k);
-      for (int n = 0; n < TN; ++n) {
-        const __m256 xn = _mm256_load_ps(x[n] + k);
-        for (int r = 0; r < R; ++r) acc[p][r][n] = _mm256_fmadd_ps(wr[r], xn, acc[p][r][n]);
-      }
-    }
+    __m256 sum[R * TN];
     for (int n = 0; n < TN; ++n)
-      for (int r = 0; r < R; ++r) c[n * ldc + r] = hsum(_mm256_add_ps(acc[0][r][n], acc[1][r][n]));
+      for (int r = 0; r < R; ++r) sum[n * R + r] = _mm256_add_ps(acc[0][r][n], acc[1][r][n]);
+    store_sums<R, TN>(sum, c, ldc);
+  }
+
+ private:
+  // One chunk of `valid` elements at k (a full one, or the zero-extended last one; activations are
+  // zero-padded) into partial P.
+  template <int P, int R, int TN>
+  static inline void step(__m256 (&acc)[2][R][TN], const W* const* w, const A* const* x, int64_t k, int64_t valid) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 wr = valid == Ops::kStep ? Ops::load_w(w[r] + k) : Ops::load_w_tail(w[r] + k, valid);
+      for (int n = 0; n < TN; ++n) acc[P][r][n] = _mm256_fmadd_ps(wr, Ops::load_a(x[n] + k), acc[P][r][n]);
+    }
   }
 };
 
-// The operand types, for the driver below (the same driver as moe_experts_avx512.cc's).
-template <typename WT>
-struct WeightOps {
-  using W = WT;
-  using A = float;
-};
-
-template <class O, int R>
-void run_tile_tn(int tn, const typename O::W* const* w, const float* const* x, int64_t K, float* c, int64_t ldc,
-                 const typename O::W* const* pf = nullptr) {
+template <class Ops, int R, bool kPrefetch = false>
+void run_tile_tn(int tn, const typename Ops::W* const* w, const typename Ops::A* const* x, int64_t K, float* c,
+                 int64_t ldc, const typename Ops::W* pf = nullptr) {
   static_assert(kTN == 3, "run_tile_tn dispatches 1 to 3 tokens");
   switch (tn) {
-    case 1: Tile<typename O::W>::template run<R, 1>(w, x, K, c, ldc, pf); break;
-    case 2: Tile<typename O::W>::template run<R, 2>(w, x, K, c, ldc, pf); break;
-    default: Tile<typename O::W>::template run<R, 3>(w, x, K, c, ldc, pf); break;
+    case 1: Tile<Ops>::template run<R, 1, kPrefetch>(w, x, K, c, ldc, pf); break;
+    case 2: Tile<Ops>::template run<R, 2, kPrefetch>(w, x, K, c, ldc, pf); break;
+    default: Tile<Ops>::template run<R, 3, kPrefetch>(w, x, K, c, ldc, pf); break;
   }
 }
 
@@ -140,14 +156,19 @@ void matmul_nt(const void* w, int64_t ldw, int64_t n_rows, const void* act, int6
     const A* x[kRowsOuterMaxTokens];
     for (int64_t n = 0; n < n_tok; ++n) x[n] = act_row(n);
     int64_t r0 = 0;
+    // The next block of rows is prefetched while the first token block runs (rows are contiguous
+    // when ldw == K, as in every expert matrix).
+    const bool prefetch = ldw == K;
     for (; r0 + kR <= n_rows; r0 += kR) {
       const W* wr[kR];
-      const W* next[kR];
-      for (int i = 0; i < kR; ++i) wr[i] = wp + (r0 + i) * ldw, next[i] = wr[i] + kR * ldw;
-      const bool prefetch = r0 + 2 * kR <= n_rows;  // while the first token block runs
-      for (int64_t n0 = 0; n0 < n_tok; n0 += kTN)
-        run_tile_tn<Ops, kR>(static_cast<int>(std::min<int64_t>(kTN, n_tok - n0)), wr, x + n0, K,
-                             c + n0 * ldc + r0, ldc, n0 == 0 && prefetch ? next : nullptr);
+      for (int i = 0; i < kR; ++i) wr[i] = wp + (r0 + i) * ldw;
+      for (int64_t n0 = 0; n0 < n_tok; n0 += kTN) {
+        const int tn = static_cast<int>(std::min<int64_t>(kTN, n_tok - n0));
+        if (n0 == 0 && prefetch && r0 + 2 * kR <= n_rows)
+          run_tile_tn<Ops, kR, true>(tn, wr, x + n0, K, c + n0 * ldc + r0, ldc, wr[0] + kR * ldw);
+        else
+          run_tile_tn<Ops, kR>(tn, wr, x + n0, K, c + n0 * ldc + r0, ldc);
+      }
     }
     for (; r0 < n_rows; ++r0) {
       const W* wr = wp + r0 * ldw;
@@ -178,7 +199,7 @@ void matmul_nt(const void* w, int64_t ldw, int64_t n_rows, const void* act, int6
 
 }  // namespace
 
-const MoeExpertKernels kMoeExperts = {matmul_nt<WeightOps<float>>, matmul_nt<WeightOps<uint16_t>>, DType::kFloat32, "avx2"};
+const MoeExpertKernels kMoeExperts = {matmul_nt<Ops8<float>>, matmul_nt<Ops8<uint16_t>>, DType::kFloat32, "avx2"};
 
 }  // namespace avx2
 }  // namespace cpu

@@ -27,71 +27,88 @@ constexpr int kR = 4;   // weight rows per block
 constexpr int kTN = 3;  // activation rows per block: 2 x kR x kTN = 24 accumulators (+ 4 weights, 1 activation)
 constexpr int64_t kRowsOuterMaxTokens = 32;  // up to this many tokens, weight rows outer (activations in L2)
 
-// The sum of v's 16 lanes, in a fixed order. Only zero-masked shuffles: the unmasked ones (and
-// _mm512_reduce_add_ps, _mm512_castps512_ps256) trip GCC 12's -Wuninitialized (GCC bug 105593).
-inline float hsum(__m512 v) {
-  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(0xffff, v, v, _MM_SHUFFLE(3, 2, 3, 2)));
-  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(0xffff, v, v, _MM_SHUFFLE(1, 1, 1, 1)));
-  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(0xffff, v, _MM_SHUFFLE(1, 0, 3, 2)));
-  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(0xffff, v, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_cvtss_f32(v);
+// The lane sums of four vectors, [sum(a), sum(b), sum(c), sum(d)], stored to out[0..3]. Each sum
+// is a fixed tree over a's own lanes (no other vector enters it), so a vector's sum does not
+// depend on its companions: ((a0 + a2) + (a1 + a3)) within each 128-bit lane, then the lanes as
+// (L0 + L1) + (L2 + L3). Only zero-masked shuffles: the unmasked ones (and
+// _mm512_reduce_add_ps, _mm512_castps512_ps128) trip GCC 12's -Wuninitialized (GCC bug 105593).
+inline void hsum4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
+  constexpr __mmask16 kAll = 0xffff;
+  const __m512 ab = _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll, a, b), _mm512_maskz_unpackhi_ps(kAll, a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll, c, d), _mm512_maskz_unpackhi_ps(kAll, c, d));
+  __m512 v = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_maskz_shuffle_ps(kAll, ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(kAll, v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(kAll, v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  _mm512_mask_storeu_ps(out, 0x000f, v);
+}
+
+// c[n * ldc + r] = the lane sum of v[n * R + r], for R x TN vectors, four at a time.
+template <int R, int TN>
+inline void store_sums(const __m512* v, float* c, int64_t ldc) {
+  constexpr int kCount = R * TN;
+  float sums[(kCount + 3) / 4 * 4];
+  for (int i = 0; i < kCount; i += 4) {
+    const __m512 zero = _mm512_setzero_ps();
+    hsum4(v[i], i + 1 < kCount ? v[i + 1] : zero, i + 2 < kCount ? v[i + 2] : zero,
+          i + 3 < kCount ? v[i + 3] : zero, sums + i);
+  }
+  for (int n = 0; n < TN; ++n)
+    for (int r = 0; r < R; ++r) c[n * ldc + r] = sums[n * R + r];
 }
 
 // A tile computes c[n * ldc + r] for R weight rows w[r] and TN activation rows x[n] over K.
 // Canonical order of one element (every tile and blocking follows it, so the blocking never
 // changes a result): K is cut into chunks of one vector (the last one masked); chunk i is
-// multiplied into partial accumulator i % 2; the result is hsum(partial 0 + partial 1).
+// multiplied into partial accumulator i % 2; the result is the lane sum (hsum4) of
+// partial 0 + partial 1.
 // Two partials keep two independent FMA chains per element even when R = TN = 1.
 template <class Ops>
 struct Tile {
   using W = typename Ops::W;
   using A = typename Ops::A;
-  // pf: null, or R rows to prefetch into L2 meanwhile (the caller's next block of weight rows).
-  template <int R, int TN>
-  static void run(const W* const* w, const A* const* x, int64_t K, float* c, int64_t ldc, const W* const* pf) {
+  // kPrefetch: also prefetch pf[0 .. R * K) into L2 meanwhile (the caller's next block of weight
+  // rows, contiguous), R * 2 chunks per step.
+  template <int R, int TN, bool kPrefetch = false>
+  static void run(const W* const* w, const A* const* x, int64_t K, float* c, int64_t ldc, const W* pf = nullptr) {
     constexpr int64_t kStep = Ops::kStep;
     __m512 acc[2][R][TN];
     for (int p = 0; p < 2; ++p)
       for (int r = 0; r < R; ++r)
         for (int n = 0; n < TN; ++n) acc[p][r][n] = _mm512_setzero_ps();
-    const int64_t full = K / kStep * kStep;
     int64_t k = 0;
-    for (; k + 2 * kStep <= full; k += 2 * kStep) {
-      if (pf != nullptr) {
-        for (int r = 0; r < R; ++r)
-          for (int64_t b = 0; b < 2 * kStep * static_cast<int64_t>(sizeof(W)); b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(pf[r] + k) + b, _MM_HINT_T1);
+    for (; k + 2 * kStep <= K; k += 2 * kStep) {
+      if (kPrefetch) {
+        for (int64_t b = 0; b < R * 2 * kStep * static_cast<int64_t>(sizeof(W)); b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + R * k) + b, _MM_HINT_T1);
       }
-      for (int p = 0; p < 2; ++p) {
-        typename Ops::WVec wr[R];
-        for (int r = 0; r < R; ++r) wr[r] = Ops::load_w(w[r] + k + p * kStep);
-        for (int n = 0; n < TN; ++n) {
-          const typename Ops::AVec xn = Ops::load_a(x[n] + k + p * kStep);
-          for (int r = 0; r < R; ++r) acc[p][r][n] = Ops::madd(acc[p][r][n], wr[r], xn);
-        }
-      }
+      step<0, R, TN>(acc, w, x, k, kStep);
+      step<1, R, TN>(acc, w, x, k + kStep, kStep);
     }
-    int p = 0;  // parity of the next chunk
-    if (k < full) {  // one full chunk left: an even one
-      typename Ops::WVec wr[R];
-      for (int r = 0; r < R; ++r) wr[r] = Ops::load_w(w[r] + k);
-      for (int n = 0; n < TN; ++n) {
-        const typename Ops::AVec xn = Ops::load_a(x[n] + k);
-        for (int r = 0; r < R; ++r) acc[0][r][n] = Ops::madd(acc[0][r][n], wr[r], xn);
-      }
-      k += kStep;
-      p = 1;
+    const int64_t rest = K - k;  // < 2 chunks: [full chunk,] masked chunk
+    if (rest > kStep) {
+      step<0, R, TN>(acc, w, x, k, kStep);
+      step<1, R, TN>(acc, w, x, k + kStep, rest - kStep);
+    } else if (rest > 0) {
+      step<0, R, TN>(acc, w, x, k, rest);
     }
-    if (k < K) {  // the masked last chunk; activations are zero-padded
-      typename Ops::WVec wr[R];
-      for (int r = 0; r < R; ++r) wr[r] = Ops::load_w_tail(w[r] + k, K - k);
-      for (int n = 0; n < TN; ++n) {
-        const typename Ops::AVec xn = Ops::load_a(x[n] + k);
-        for (int r = 0; r < R; ++r) acc[p][r][n] = Ops::madd(acc[p][r][n], wr[r], xn);
-      }
-    }
+    __m512 sum[R * TN];
     for (int n = 0; n < TN; ++n)
-      for (int r = 0; r < R; ++r) c[n * ldc + r] = hsum(_mm512_add_ps(acc[0][r][n], acc[1][r][n]));
+      for (int r = 0; r < R; ++r) sum[n * R + r] = _mm512_add_ps(acc[0][r][n], acc[1][r][n]);
+    store_sums<R, TN>(sum, c, ldc);
+  }
+
+ private:
+  // One chunk of `valid` elements at k (a full one, or the masked last one; activations are
+  // zero-padded) into partial P.
+  template <int P, int R, int TN>
+  static inline void step(__m512 (&acc)[2][R][TN], const W* const* w, const A* const* x, int64_t k, int64_t valid) {
+    typename Ops::WVec wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = valid == Ops::kStep ? Ops::load_w(w[r] + k) : Ops::load_w_tail(w[r] + k, valid);
+    for (int n = 0; n < TN; ++n) {
+      const typename Ops::AVec xn = Ops::load_a(x[n] + k);
+      for (int r = 0; r < R; ++r) acc[P][r][n] = Ops::madd(acc[P][r][n], wr[r], xn);
+    }
   }
 };
 
@@ -144,14 +161,14 @@ struct Bf16DpOps {
   static __m512 madd(__m512 acc, __m512bh w, __m512bh x) { return _mm512_dpbf16_ps(acc, w, x); }
 };
 
-template <class Ops, int R>
+template <class Ops, int R, bool kPrefetch = false>
 void run_tile_tn(int tn, const typename Ops::W* const* w, const typename Ops::A* const* x, int64_t K, float* c,
-                 int64_t ldc, const typename Ops::W* const* pf = nullptr) {
+                 int64_t ldc, const typename Ops::W* pf = nullptr) {
   static_assert(kTN == 3, "run_tile_tn dispatches 1 to 3 tokens");
   switch (tn) {
-    case 1: Tile<Ops>::template run<R, 1>(w, x, K, c, ldc, pf); break;
-    case 2: Tile<Ops>::template run<R, 2>(w, x, K, c, ldc, pf); break;
-    default: Tile<Ops>::template run<R, 3>(w, x, K, c, ldc, pf); break;
+    case 1: Tile<Ops>::template run<R, 1, kPrefetch>(w, x, K, c, ldc, pf); break;
+    case 2: Tile<Ops>::template run<R, 2, kPrefetch>(w, x, K, c, ldc, pf); break;
+    default: Tile<Ops>::template run<R, 3, kPrefetch>(w, x, K, c, ldc, pf); break;
   }
 }
 
@@ -180,14 +197,19 @@ void matmul_nt(const void* w, int64_t ldw, int64_t n_rows, const void* act, int6
     const A* x[kRowsOuterMaxTokens];
     for (int64_t n = 0; n < n_tok; ++n) x[n] = act_row(n);
     int64_t r0 = 0;
+    // The next block of rows is prefetched while the first token block runs (rows are contiguous
+    // when ldw == K, as in every expert matrix).
+    const bool prefetch = ldw == K;
     for (; r0 + kR <= n_rows; r0 += kR) {
       const W* wr[kR];
-      const W* next[kR];
-      for (int i = 0; i < kR; ++i) wr[i] = wp + (r0 + i) * ldw, next[i] = wr[i] + kR * ldw;
-      const bool prefetch = r0 + 2 * kR <= n_rows;  // while the first token block runs
-      for (int64_t n0 = 0; n0 < n_tok; n0 += kTN)
-        run_tile_tn<Ops, kR>(static_cast<int>(std::min<int64_t>(kTN, n_tok - n0)), wr, x + n0, K,
-                             c + n0 * ldc + r0, ldc, n0 == 0 && prefetch ? next : nullptr);
+      for (int i = 0; i < kR; ++i) wr[i] = wp + (r0 + i) * ldw;
+      for (int64_t n0 = 0; n0 < n_tok; n0 += kTN) {
+        const int tn = static_cast<int>(std::min<int64_t>(kTN, n_tok - n0));
+        if (n0 == 0 && prefetch && r0 + 2 * kR <= n_rows)
+          run_tile_tn<Ops, kR, true>(tn, wr, x + n0, K, c + n0 * ldc + r0, ldc, wr[0] + kR * ldw);
+        else
+          run_tile_tn<Ops, kR>(tn, wr, x + n0, K, c + n0 * ldc + r0, ldc);
+      }
     }
     for (; r0 < n_rows; ++r0) {
       const W* wr = wp + r0 * ldw;

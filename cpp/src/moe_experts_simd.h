@@ -27,8 +27,8 @@ constexpr int64_t kMoeActPad = 32;
 //   c[n * ldc + r] = sum_{k < K} w[r * ldw + k] * act[row_n * ld_act + k]
 //   for r < n_rows, n < n_tok, with row_n = rows[n] (rows == nullptr: row_n = n).
 // w: weight rows (fp32 or bf16 by table entry), exactly K readable elements per row.
-// act: activation rows of the entry's activation dtype, ld_act a multiple of kMoeActPad and
-// elements [K, round_up(K, kMoeActPad)) of each row zero.
+// act: activation rows of the entry's activation dtype, 64-byte aligned, ld_act a multiple of
+// kMoeActPad and elements [K, round_up(K, kMoeActPad)) of each row zero.
 using MoeMatmulNt = void (*)(const void* w, int64_t ldw, int64_t n_rows, const void* act, int64_t ld_act,
                              const int32_t* rows, int64_t n_tok, int64_t K, float* c, int64_t ldc);
 

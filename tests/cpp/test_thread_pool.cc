@@ -1,6 +1,9 @@
 // Unit tests of the process-wide thread pool (cpp/src/thread_pool.cc): every task runs exactly
 // once for several thread counts, exceptions reach the caller, nested and concurrent calls work,
 // bad thread counts are rejected. Also prints the per-call overhead (parallel_for of no-op tasks).
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -126,6 +129,18 @@ TEST(concurrent_callers) {
   }
 }
 
+TEST(forked_child_runs_jobs_inline) {
+  KeepThreads keep;
+  ThreadPool::instance().set_num_threads(2);
+  CHECK(each_once(100));  // workers started
+  const pid_t pid = fork();
+  if (pid == 0) _exit(each_once(1000) ? 0 : 1);  // the child has no workers: must not wait for them
+  int status = -1;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(each_once(1000));  // the parent's pool is unaffected
+}
+
 TEST(bad_thread_counts) {
   KeepThreads keep;
   CHECK_THROWS_WITH(ThreadPool::instance().set_num_threads(0), "num_threads");
@@ -137,16 +152,18 @@ TEST(bad_thread_counts) {
   CHECK(ThreadPool::instance().num_threads() == 2);
 }
 
+namespace {
 // Busy-waits for about `us` microseconds.
 void spin_for(double us) {
   const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(us);
   while (std::chrono::steady_clock::now() < end) {
   }
 }
+}  // namespace
 
-// Per-call overhead with 2 threads, measured two ways: (a) 2 tasks of ~5 us each: time per call
-// minus 5 us (what the pool adds when both threads share the work); (b) 2 tasks that wait for each
-// other: the round trip of handing a task to a spinning worker and waiting for it.
+// Per-call overhead with 2 threads, printed: (a) 2 tasks of ~5 us each: time per call minus 5 us
+// (what the pool adds when both threads share the work); (b) 2 tasks that wait for each other: the
+// round trip of handing a task to a spinning worker and waiting for it; (c) as (a) after 2 ms idle.
 TEST(per_call_overhead) {
   KeepThreads keep;
   ThreadPool::instance().set_num_threads(2);
@@ -167,9 +184,18 @@ TEST(per_call_overhead) {
     while (arrived.load() < target && std::chrono::steady_clock::now() < give_up) {
     }
   });
+  // (c) the same after 2 ms idle, when the worker has gone to sleep: the cost of waking it.
+  double after_sleep = 0.0;
+  constexpr int kSleeps = 50;
+  for (int i = 0; i < kSleeps; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    const auto t0 = std::chrono::steady_clock::now();
+    ThreadPool::instance().parallel_for(2, [](int64_t) { spin_for(kWorkUs); });
+    after_sleep += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  }
   std::printf("  2 threads: parallel_for(2 tasks of %.0f us) = %.2f us per call (overhead %.2f us); "
-              "2 tasks that wait for each other: %.2f us per call\n",
-              kWorkUs, work, work - kWorkUs, rendezvous);
-  CHECK(work < 2 * kWorkUs);    // both threads took part
-  CHECK(rendezvous < 1000.0);   // generous: only catches a pool that sleeps between calls
+              "2 tasks that wait for each other: %.2f us per call; after 2 ms idle: %.2f us per call\n",
+              kWorkUs, work, work - kWorkUs, rendezvous, after_sleep / kSleeps);
+  // Timings only: on a shared machine a bound would be flaky (work_is_shared_between_threads
+  // checks that both threads take part).
 }

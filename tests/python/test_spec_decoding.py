@@ -126,34 +126,59 @@ def test_trained_head_is_lossless_and_accepts_more(models, ar_outputs, trained_h
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     good = sum(o.stats.mean_acceptance_length for o in trained.generate(prompts, params))
     bad = sum(o.stats.mean_acceptance_length for o in random.generate(prompts, params))
-    assert good > bad, (good, bad)
+    # Training is seeded and single-threaded, so these numbers are reproducible (measured: 2.09 trained
+    # vs 1.05 untrained tokens per step); half a token of margin keeps the test from failing on a
+    # different BLAS while still proving that training worked.
+    assert good / 3 >= bad / 3 + 0.5, (good / 3, bad / 3)
 
 
-def test_sampling_emits_the_targets_distribution(models):
-    """First two tokens at temperature 0.5 / top-k 3 (at most 9 outcomes), 300 draws per policy,
-    against the exact probabilities from the target's own forward: |freq - p| <= 4 standard errors."""
-    model = models["olmoe"]
-    prompt = _prompts(1, seed=3)[0]
-    params = [SamplingParams(max_tokens=2, temperature=0.5, top_k=3, seed=s, ignore_eos=True) for s in range(300)]
-    cache = model.new_cache(1, 32)
-    p1 = probabilities(model.prefill(cache, [prompt]).logits[0], params[0])
-    want = {}
-    for x1 in p1.nonzero().flatten().tolist():
-        c = model.new_cache(1, 32)
-        p2 = probabilities(model.prefill(c, [prompt + [x1]]).logits[0], params[0])
-        for x2 in p2.nonzero().flatten().tolist():
-            want[(x1, x2)] = float(p1[x1] * p2[x2])
+@pytest.fixture(scope="session")
+def tiny_vocab_target(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(5)
+    cfg = Qwen3MoeConfig(vocab_size=8, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=8, num_experts_per_tok=2, initializer_range=0.3)
+    folder = tmp_path_factory.mktemp("v8") / "target"
+    Qwen3MoeForCausalLM(cfg).save_pretrained(folder)
+    return mm.load(folder, "fp32")
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, ignore_eos=True)])
+def test_sampling_matches_the_targets_distribution(params, tiny_vocab_target):
+    """The first two generated tokens of ``ar`` and of ``eagle3`` sampling (800 seeded samples each,
+    vocabulary 8: 64 outcomes) against the exact probabilities from the target's own forward, by a
+    chi-square goodness-of-fit test (cells expected below 5 pooled). Each policy fails only if its
+    p-value is below 1e-4, so an exact sampler fails this test with probability 2e-4."""
+    import dataclasses
+
+    model = tiny_vocab_target
+    prompt = [1, 5, 2]
+    p1 = probabilities(model.prefill(model.new_cache(1, 8), [prompt]).logits[0], params)
+    want = torch.zeros(8, 8)
+    for x1 in range(8):
+        p2 = probabilities(model.prefill(model.new_cache(1, 8), [prompt + [x1]]).logits[0], params)
+        want[x1] = p1[x1] * p2
+    want = want.flatten()
+    n = 800
+    runs = [dataclasses.replace(params, seed=s) for s in range(n)]
     for llm in (LLM(model), LLM(model, draft=_head(model), speculative_config=SpeculativeConfig(depth=3, top_k=3))):
-        outs = llm.generate([prompt] * len(params), params)
-        counts: dict = {}
-        for o in outs:
-            key = tuple(o.outputs[0].token_ids)
-            counts[key] = counts.get(key, 0) + 1
-        assert set(counts) <= set(want)
-        n = len(params)
-        for key, p in want.items():
-            se = (p * (1 - p) / n) ** 0.5
-            assert abs(counts.get(key, 0) / n - p) <= 4 * se + 0.01, (key, counts.get(key, 0) / n, p)
+        counts = torch.zeros(64)
+        for o in llm.generate([prompt] * n, runs):
+            x1, x2 = o.outputs[0].token_ids
+            counts[x1 * 8 + x2] += 1
+        expected = want * n
+        big = expected >= 5
+        assert counts[want == 0].sum() == 0  # never a token of probability 0 (top-p)
+        observed = torch.cat([counts[big], counts[~big].sum()[None]])
+        expect = torch.cat([expected[big], expected[~big].sum()[None]])
+        keep = expect > 0
+        chi2 = float(((observed[keep] - expect[keep]) ** 2 / expect[keep]).sum())
+        dof = int(keep.sum()) - 1
+        p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
+        assert p_value > 1e-4, (llm.speculative_config.policy, chi2, dof, p_value)
 
 
 def test_stream_stats_and_stop_conditions(models):
@@ -199,4 +224,9 @@ def test_errors(models, targets):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="does not exist"):
         LLM(model, draft="/nonexistent/head")
+    dense = models["llama"]
+    with pytest.raises(ValueError, match="dense model without MoE layers"):
+        LLM(dense, draft=_head(dense), speculative_config=SpeculativeConfig("eagle3+budget", budget=4))
+    with pytest.raises(ValueError, match="total_tokens"):
+        SpeculativeConfig("eagle3", total_tokens=0)
     assert default_aux_layers(model.config.num_layers)

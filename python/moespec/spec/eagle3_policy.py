@@ -45,6 +45,9 @@ class Eagle3Policy:
         self.config = config
         self.name = config.policy
         self.budget = config.budget if config.policy == "eagle3+budget" else None
+        if self.budget is not None and target.config.moe is None:
+            raise ValueError(f"policy 'eagle3+budget': the target ({target.config.architecture}) is a dense model "
+                             "without MoE layers, so an expert budget has nothing to cap (use 'eagle3')")
         target.set_taps(self.head.config.aux_layers)
         self._builders: dict[int, TreeBuilder] = {}
 
