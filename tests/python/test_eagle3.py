@@ -31,14 +31,7 @@ TOL = 1e-5  # fp32, of the output scale (max |x|, at least 1)
 H, I, HQ, HKV, D, VD, THETA = 64, 80, 4, 2, 12, 57, 10000.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is as fast, and immune to the spin-waits of an oversubscribed
-    OpenMP pool when other jobs share the cores (seen: 20x slower runs with 2 threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from moespec.ops import ExpertBudget
 
 from models_fixtures import FAMILIES, MOE_FAMILIES, V, hf_tree_logits, reference, write_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 FP32_TOL = 1e-4  # of the logit scale (max |logit| of the reference)
 # A decode step attends one query over the cache, where transformers recomputes the whole sequence:
 # the attention sums then run over differently shaped GEMMs, so bf16 logits may differ by a few bf16

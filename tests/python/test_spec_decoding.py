@@ -24,6 +24,7 @@ from moespec.spec.train import new_head, train_draft
 
 from models_fixtures import FAMILIES, MOE_FAMILIES, V, write_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 HYPO = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -108,12 +109,13 @@ def trained_head(tmp_path_factory, targets, models):
         lines.append('{"input_ids": %s}' % (p + out.outputs[0].token_ids))
     corpus.write_text("\n".join(lines) + "\n")
     out_dir = tmp_path_factory.mktemp("head")
-    torch.set_num_threads(1)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # training is then deterministic whatever the machine's core count
     try:
         train_draft(targets["qwen3_moe"], [corpus], out_dir, steps=150, seq_len=32, batch_size=8, lr=3e-3, seed=0,
                     progress=False)
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(saved)
     return out_dir
 
 

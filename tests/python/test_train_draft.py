@@ -36,14 +36,7 @@ ARGS = dict(ttt_steps=3, draft_vocab_size=64, lr=3e-3, batch_size=8, seq_len=32,
             moe_impl="reference")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is as fast, and immune to the spin-waits of an oversubscribed
-    OpenMP pool when other jobs share the cores (seen: 20x slower runs with 2 threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _sample(target, n: int, length: int, seed: int) -> torch.Tensor:
