@@ -5,6 +5,7 @@
                      [--max-tokens N] [--temperature T] [--top-p P] [--top-k-sampling K] [--seed S]
                      [--stream] (--prompt TEXT | --prompt-ids 1,2,3) ...
     moespec train-draft --target <folder> --corpus <files...> --out <folder> [...]
+    moespec prepare-dataset --out <file.jsonl> [--tokenizer <folder>] [--seed 420] <source> [...] ...
 
 Configuration flows one way: flags -> typed configs (SpeculativeConfig, SamplingParams) -> LLM.
 """
@@ -77,10 +78,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from moespec.spec.train import main as train_main
 
         return train_main(argv[1:])
+    if argv and argv[0] == "prepare-dataset":
+        from moespec.data.datasets import main as prepare_main
+
+        return prepare_main(argv[1:])
     parser = argparse.ArgumentParser(prog="moespec", description="expert-aware speculative decoding for MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     sub.add_parser("train-draft", help="train an EAGLE-3 draft head (see moespec train-draft --help)")
+    sub.add_parser("prepare-dataset", help="write a trtllm-bench JSON Lines dataset (see moespec prepare-dataset --help)")
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
