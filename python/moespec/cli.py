@@ -1,9 +1,11 @@
-"""The ``moespec`` command line: ``moespec generate`` and ``moespec train-draft``.
+"""The ``moespec`` command line: ``moespec generate``, ``moespec build`` and ``moespec train-draft``.
 
     moespec generate --model <folder> [--draft <EAGLE-3 folder>] [--policy ar|eagle3|eagle3+budget]
                      [--budget B] [--depth D] [--top-k K] [--total-tokens M] [--dtype bf16|fp32]
                      [--max-tokens N] [--temperature T] [--top-p P] [--top-k-sampling K] [--seed S]
                      [--stream] (--prompt TEXT | --prompt-ids 1,2,3) ...
+    moespec build --model <HF folder | GGUF file | default> [--draft <EAGLE-3 folder>] --out <engine folder>
+                  [--dtype bf16|fp32] [--policy ...] [--depth D] [--top-k K] [--total-tokens M] [--budget B] [--force]
     moespec train-draft --target <folder> --corpus <files...> --out <folder> [...]
     moespec prepare-dataset --out <file.jsonl> [--tokenizer <folder>] [--seed 420] <source> [...] ...
 
@@ -19,7 +21,7 @@ from typing import Optional, Sequence
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with a target model and an optional EAGLE-3 draft head")
-    p.add_argument("--model", required=True, help="target checkpoint folder")
+    p.add_argument("--model", required=True, help="target checkpoint folder or engine folder (moespec build)")
     p.add_argument("--draft", help="EAGLE-3 draft head folder")
     p.add_argument("--policy", choices=["ar", "eagle3", "eagle3+budget"], help="default: eagle3 with a draft, else ar")
     p.add_argument("--budget", type=int, help="max unique experts per MoE layer on verify passes (eagle3+budget)")
@@ -43,12 +45,17 @@ def _generate(args) -> int:
     prompts = list(args.prompt) + [[int(t) for t in s.split(",") if t.strip()] for s in args.prompt_ids]
     if not prompts:
         raise SystemExit("moespec generate: give at least one --prompt or --prompt-ids")
+    from moespec.engine import is_engine_folder
+
     policy = args.policy or ("eagle3+budget" if args.budget else "eagle3" if args.draft else "ar")
     spec = SpeculativeConfig(policy, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
                              budget=args.budget if policy == "eagle3+budget" else None)
+    if is_engine_folder(args.model) and not (args.policy or args.budget or args.draft):
+        spec = None  # the engine's own draft head and default policy
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k_sampling, seed=args.seed)
     llm = LLM(args.model, draft=args.draft, speculative_config=spec, dtype=args.dtype)
+    policy = llm.speculative_config.policy
     if args.stream:
         if len(prompts) != 1:
             raise SystemExit("moespec generate --stream takes one prompt")
@@ -74,6 +81,10 @@ def _generate(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "build":
+        from moespec.engine.build import main as build_main
+
+        return build_main(argv[1:])
     if argv and argv[0] == "train-draft":
         from moespec.spec.train import main as train_main
 
@@ -86,6 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     sub.add_parser("train-draft", help="train an EAGLE-3 draft head (see moespec train-draft --help)")
+    sub.add_parser("build", help="build an engine folder (see moespec build --help)")
     sub.add_parser("prepare-dataset", help="write a trtllm-bench JSON Lines dataset (see moespec prepare-dataset --help)")
     args = parser.parse_args(argv)
     if args.command == "generate":

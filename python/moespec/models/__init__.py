@@ -56,6 +56,10 @@ def load(path: str | Path, dtype: Literal["bf16", "fp32"] = "bf16", *, taps: Seq
     """
     if dtype not in DTYPES:
         raise ValueError(f"load: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    from moespec.engine import is_engine_folder, load_engine  # here: moespec.engine imports moespec.models
+
+    if is_engine_folder(path):
+        return load_engine(path, dtype=dtype, taps=taps, moe_impl=moe_impl)[0]
     ckpt = Checkpoint(path)
     config = _parse(ckpt)
     family = BY_ARCHITECTURE[config.architecture]

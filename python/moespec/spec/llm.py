@@ -138,11 +138,19 @@ class LLM:
     def __init__(self, model: Union[str, Path, TargetModel], draft=None,
                  speculative_config: Optional[SpeculativeConfig] = None, dtype: Literal["bf16", "fp32"] = "bf16",
                  *, max_batch_size: int = 8, tokenizer=None):
+        from moespec.engine import engine_defaults, is_engine_folder
         from moespec.spec.policies import make_policy
 
+        tokenizer_path = None if isinstance(model, TargetModel) else Path(model)
+        if tokenizer_path is not None and is_engine_folder(model):  # the engine's head, tokenizer and policy
+            engine_draft, tokenizer_path, engine_spec = engine_defaults(model)
+            if draft is None and engine_draft is not None:
+                draft = engine_draft
+                if speculative_config is None:
+                    speculative_config = SpeculativeConfig(**engine_spec)
         self.target = model if isinstance(model, TargetModel) else load(model, dtype)
         self.model_path = None if isinstance(model, TargetModel) else Path(model)
-        self.tokenizer = tokenizer if tokenizer is not None else _local_tokenizer(self.model_path)
+        self.tokenizer = tokenizer if tokenizer is not None else _local_tokenizer(tokenizer_path)
         if speculative_config is None:
             speculative_config = SpeculativeConfig("eagle3") if draft is not None else SpeculativeConfig("ar")
         self.speculative_config = speculative_config
