@@ -7,6 +7,7 @@
     moespec build --model <HF folder | GGUF file | default> [--draft <EAGLE-3 folder>] --out <engine folder>
                   [--dtype bf16|fp32] [--policy ...] [--depth D] [--top-k K] [--total-tokens M] [--budget B] [--force]
     moespec train-draft --target <folder> --corpus <files...> --out <folder> [...]
+    moespec bench throughput|latency|compare --engine <folder> --dataset <jsonl> [...]
     moespec prepare-dataset --out <file.jsonl> [--tokenizer <folder>] [--seed 420] <source> [...] ...
 
 Configuration flows one way: flags -> typed configs (SpeculativeConfig, SamplingParams) -> LLM.
@@ -85,6 +86,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from moespec.engine.build import main as build_main
 
         return build_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from moespec.bench.run import main as bench_main
+
+        return bench_main(argv[1:])
     if argv and argv[0] == "train-draft":
         from moespec.spec.train import main as train_main
 
@@ -98,6 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _generate_parser(sub)
     sub.add_parser("train-draft", help="train an EAGLE-3 draft head (see moespec train-draft --help)")
     sub.add_parser("build", help="build an engine folder (see moespec build --help)")
+    sub.add_parser("bench", help="trtllm-bench-style benchmarks: throughput, latency, compare (see moespec bench --help)")
     sub.add_parser("prepare-dataset", help="write a trtllm-bench JSON Lines dataset (see moespec prepare-dataset --help)")
     args = parser.parse_args(argv)
     if args.command == "generate":

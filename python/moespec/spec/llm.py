@@ -65,6 +65,8 @@ class RequestStats:
     wall_time: float = 0.0  # seconds from the start of the request's batch to its last token
     time_to_first_token: float = 0.0
     prompt_tokens: int = 0
+    first_token_ns: int = 0  # time.perf_counter_ns() when the first token was emitted
+    end_ns: int = 0  # time.perf_counter_ns() when the last token was emitted
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -217,6 +219,7 @@ class LLM:
         run = self.policy.start(batch)
         for r, token in zip(batch, run.first_tokens):
             r.stats.time_to_first_token = time.perf_counter() - start
+            r.stats.first_token_ns = time.perf_counter_ns()
             self._emit(r, [token], start)
         yield
         while not all(r.finished for r in batch):
@@ -249,6 +252,7 @@ class LLM:
                     r.text = r.text[:cut]
                     r.finish_reason = "stop"
         r.stats.wall_time = time.perf_counter() - start
+        r.stats.end_ns = time.perf_counter_ns()
 
 
 def _local_tokenizer(path: Optional[Path]):

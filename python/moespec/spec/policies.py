@@ -48,6 +48,7 @@ class ARPolicy:
 
     def step(self, run: Run, batch) -> list[Optional[list[int]]]:
         out = self.target.decode(run.cache, [None if r.finished else r.last for r in batch])
+        run.last_expert_stats = out.expert_stats  # what the decode step's MoE layers read
         return [None if r.finished else [sample(out.logits[b], r.params, r.generator)] for b, r in enumerate(batch)]
 
 

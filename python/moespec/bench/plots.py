@@ -1,0 +1,105 @@
+"""PNG plots of ``moespec bench compare`` (matplotlib, Agg: no display needed).
+
+- :func:`pareto_plot`: speed-up against agreement with the unbudgeted greedy output, one point per
+  policy; the budget sweep's Pareto front (no other point is both faster and more faithful) joined.
+- :func:`experts_plot`: unique experts per MoE layer per verify step by policy: the mean over layers
+  (bars: kept, outlined: natural) and, beside it, each layer's mean kept count.
+
+Both take the ``policies`` rows of the compare JSON (:mod:`moespec.bench.run`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points not dominated by another (x and y both at least as large, one larger),
+    ordered by x descending (y then ascending)."""
+    order = sorted(range(len(points)), key=lambda i: (-points[i][0], -points[i][1]))
+    front, best = [], float("-inf")
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def pareto_plot(rows: Sequence[dict[str, Any]], path: Union[str, Path], *, baseline: str = "ar") -> Path:
+    """Speed-up over ``baseline`` ("ar" or "eagle3") against the token match rate (agreement up to the
+    first divergence with the reference output), one labelled point per policy."""
+    plt = _pyplot()
+    key = f"speedup_vs_{baseline}"
+    rows = [r for r in rows if r[key] is not None]
+    points = [(r["token_match_rate"], r[key]) for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for r, (x, y) in zip(rows, points):
+        style = dict(marker="o", color="tab:blue") if r["budget"] is not None else dict(marker="s", color="tab:gray")
+        ax.scatter([x], [y], zorder=3, **style)
+        ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    front = pareto_front(points)
+    if len(front) > 1:
+        ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "--", color="tab:red", zorder=2,
+                label="Pareto front")
+        ax.legend(loc="lower left", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xlabel("token match rate with the unbudgeted greedy output")
+    ax.set_ylabel(f"speed-up over {baseline} (output tokens/s)")
+    ax.set_title("Expert budget sweep: speed-up against agreement")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def experts_plot(rows: Sequence[dict[str, Any]], layers: dict[str, Sequence[float]], path: Union[str, Path]) -> Path:
+    """Left: mean kept (filled) and natural (outlined) unique experts per layer per verify step by
+    policy (hatched: estimated, for policies whose steps are not recorded). Right: ``layers[label]``,
+    each MoE layer's mean kept unique experts, one line per policy that recorded them."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.2))
+    labels = [r["label"] for r in rows]
+    x = list(range(len(rows)))
+    kept = [r["kept_unique_per_layer"] or 0.0 for r in rows]
+    natural = [r["natural_unique_per_layer"] or 0.0 for r in rows]
+    left.bar(x, natural, width=0.6, fill=False, edgecolor="black", label="natural")
+    left.bar(x, kept, width=0.6, color="tab:blue", alpha=0.8, label="kept")
+    estimated = [i for i, r in enumerate(rows) if r["experts_estimated"]]
+    if estimated:
+        left.bar(estimated, [kept[i] for i in estimated], width=0.6, color="white", edgecolor="tab:blue", hatch="//",
+                 label="kept (estimated)")
+    left.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    left.set_ylabel("unique experts per MoE layer per step")
+    left.set_title("Mean over layers and steps")
+    left.legend(fontsize=8)
+    for label, values in layers.items():
+        if values:
+            right.plot(range(len(values)), values, marker="o", label=label)
+    from matplotlib.ticker import MaxNLocator
+
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))
+    right.set_xlabel("MoE layer")
+    right.set_ylabel("mean kept unique experts per verify step")
+    right.set_title("By layer")
+    if any(layers.values()):
+        right.legend(fontsize=8)
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
