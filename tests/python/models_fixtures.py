@@ -19,6 +19,8 @@ from transformers import (
     MixtralForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -40,6 +42,13 @@ CONFIGS = {
         vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, num_experts=16, num_experts_per_tok=4, clip_qkv=0.5, initializer_range=0.1,
         eos_token_id=2, pad_token_id=1)),
+    # Qwen2-MoE: a sigmoid-gated shared expert beside 16 routed experts of 16, top-4 (the default
+    # model's family).
+    "qwen2_moe": (Qwen2MoeForCausalLM, lambda: Qwen2MoeConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, qkv_bias=False, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, bos_token_id=1, eos_token_id=2)),
     # Dense Llama with GQA (one kv head), tied embeddings and llama3 rope scaling.
     "llama": (LlamaForCausalLM, lambda: LlamaConfig(
         vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -48,7 +57,7 @@ CONFIGS = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
 }
 FAMILIES = list(CONFIGS)
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
 
 def write_checkpoint(family: str, folder: Path, seed: int = 0, **save_kwargs) -> Path:
@@ -106,7 +115,7 @@ def hf_tree_logits(hf, prompt: list[int], tree: list[int], parents: list[int], b
 def budgeted_moe_blocks(hf, budget, record: Optional[list] = None) -> list:
     """Patches every MoE block of a transformers model to route with the plain-torch reference of the
     budget semantics (moespec.ops.reference) on the tokens of each call; transformers' eager experts
-    then skip dropped slots (id N). Appends each call's RoutingStats to ``record``. Returns the
+    then skip dropped slots (id N); a shared expert (Qwen2-MoE) runs as transformers runs it. Appends each call's RoutingStats to ``record``. Returns the
     patched blocks (``del block.forward`` restores one)."""
     from moespec.ops import RouterSpec
     from moespec.ops.reference import route_experts_reference
@@ -127,7 +136,10 @@ def budgeted_moe_blocks(hf, budget, record: Optional[list] = None) -> list:
                 record.append(stats)
             if hf.config.model_type != "mixtral":
                 weights = weights.to(x.dtype)
-            return block.experts(x, ids.long(), weights).reshape(B, T, H)
+            out = block.experts(x, ids.long(), weights)
+            if hasattr(block, "shared_expert"):  # Qwen2-MoE: every token, never budgeted
+                out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+            return out.reshape(B, T, H)
 
         block.forward = forward
         blocks.append(block)

@@ -6,6 +6,8 @@ Implements the weights part of DESIGN.md "Contracts" -> "Engine folder". The lay
 
     layers.{i}.experts       [E, 3 I H]   MoE layers: each expert's gate [I, H], up [I, H], down [H, I]
     layers.{i}.router        [E, H]
+    layers.{i}.shared_gate_up [2 Is, H]   the shared expert (Qwen2-MoE), with shared_down [H, Is] and
+                                          its output gate shared_gate [1, H]
     layers.{i}.input_norm    [H]          and qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
     layers.{i}.gate_up       [2 I, H]     gate_up, down for dense layers (None fields are absent)
     embed                    [V, H]
@@ -20,7 +22,7 @@ bytes (one expert = one aligned sequential read). Reading maps the whole file on
 every tensor is a view into that one mapping: nothing is copied or concatenated.
 
 Dimensions: L layers, H hidden, Hq/Hkv query and key/value heads, D head dim, I intermediate size
-(dense or of one expert), E experts, V vocabulary.
+(dense or of one expert), Is shared-expert intermediate size, E experts, V vocabulary.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "post_norm"] = (H,)
         if c.is_moe_layer(i):
             shapes[p + "router"] = (c.moe.num_experts, H)
+            Is = c.moe.shared_intermediate_size
+            if Is:  # the shared expert (Qwen2-MoE)
+                shapes[p + "shared_gate_up"], shapes[p + "shared_down"] = (2 * Is, H), (H, Is)
+                shapes[p + "shared_gate"] = (1, H)
         else:
             shapes[p + "gate_up"] = (2 * c.intermediate_size, H)
             shapes[p + "down"] = (H, c.intermediate_size)

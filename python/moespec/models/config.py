@@ -60,6 +60,9 @@ class MoeConfig:
     router: RouterSpec
     layers: tuple[int, ...]  # decoder layers whose feed-forward is MoE
     weights_in_model_dtype: bool  # routing weights cast to the model dtype before scaling (Qwen3, OLMoE)
+    # Is of the shared expert that every token runs beside the routed ones, its output scaled by
+    # sigmoid(shared_gate . x) (Qwen2-MoE); 0: no shared expert.
+    shared_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)

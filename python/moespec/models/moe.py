@@ -1,14 +1,16 @@
 """The MoE feed-forward of a layer: route (with an optional expert budget), then run the experts.
 
-``moe_forward`` is the runtime's entry point; it routes with :func:`moespec.ops.route_experts`
-and runs the experts with one of two implementations:
+``moe_forward`` is the runtime's entry point; it routes with :func:`moespec.ops.route_experts`,
+runs the experts with one of two implementations and adds the shared expert where the model has
+one (Qwen2-MoE: ``sigmoid(shared_gate . x) * shared_expert(x)``, every token, never budgeted):
 - ``"kernel"`` (default on the CPU): :func:`moespec.ops.moe_experts`, the native kernel that reads
   each active expert once at memory speed (fp32 accumulation);
 - ``"reference"``: :func:`experts_reference`, a plain loop over the active experts in ascending id
   that rounds exactly as transformers' ``eager`` experts do (bf16 results bit-identical to them),
   for debugging. ``MOESPEC_MOE_IMPL=reference`` or ``TargetModel.moe_impl`` selects it.
 
-Dimensions: P tokens of the layer, H hidden, E experts, K top-k, I expert intermediate size.
+Dimensions: P tokens of the layer, H hidden, E experts, K top-k, I expert intermediate size, Is
+shared expert intermediate size.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def experts_reference(x: torch.Tensor, routing: Routing, layer: LayerWeights, mo
     return out
 
 
+def shared_expert(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    """sigmoid(shared_gate . x) * down(silu(gate x) * up x), as transformers' Qwen2-MoE computes it; [P, H]."""
+    gate, up = F.linear(x, layer.shared_gate_up).chunk(2, dim=-1)  # [P, Is] each
+    return torch.sigmoid(F.linear(x, layer.shared_gate)) * F.linear(F.silu(gate) * up, layer.shared_down)
+
+
 def moe_forward(
     x: torch.Tensor, layer: LayerWeights, moe: MoeConfig, budget: Optional[ExpertBudget] = None,
     impl: str = "kernel",
@@ -57,8 +65,12 @@ def moe_forward(
     logits = F.linear(x, layer.router)  # [P, E], in the model dtype as transformers computes it
     routing = route_experts(logits, moe.router, budget)
     if impl == "reference" or x.device.type != "cpu":
-        return experts_reference(x, routing, layer, moe), routing.stats_tensor
-    weights = routing.weights
-    if moe.weights_in_model_dtype and x.dtype != weights.dtype:
-        weights = weights.to(x.dtype).float()  # rounded as the family's router rounds them
-    return moe_experts(x, routing.ids, weights, layer.experts, moe.intermediate_size), routing.stats_tensor
+        out = experts_reference(x, routing, layer, moe)
+    else:
+        weights = routing.weights
+        if moe.weights_in_model_dtype and x.dtype != weights.dtype:
+            weights = weights.to(x.dtype).float()  # rounded as the family's router rounds them
+        out = moe_experts(x, routing.ids, weights, layer.experts, moe.intermediate_size)
+    if layer.shared_down is not None:
+        out = out + shared_expert(x, layer)
+    return out, routing.stats_tensor

@@ -5,7 +5,9 @@ Layout (what the forward pass and, later, engine folders use):
 - dense feed-forward: ``gate_up`` [2 I, H] (gate rows, then up rows) and ``down`` [H, I];
 - MoE feed-forward: the router [E, H] and **one contiguous block per expert**,
   ``experts`` [E, 3 I H] = for each expert its gate [I, H], up [I, H] and down [H, I], row-major,
-  so reading one expert is one sequential read (DESIGN.md "Contracts", engine folder).
+  so reading one expert is one sequential read (DESIGN.md "Contracts", engine folder);
+- a shared expert (Qwen2-MoE), when the config has one: ``shared_gate_up`` [2 Is, H], ``shared_down``
+  [H, Is] and its gate ``shared_gate`` [1, H].
 Every tensor's shape is checked against the config; a missing or mis-shaped tensor is a ValueError
 naming it.
 """
@@ -37,6 +39,16 @@ class LayerWeights:
     down: Optional[torch.Tensor] = None  # dense: [H, I]
     router: Optional[torch.Tensor] = None  # MoE: [E, H]
     experts: Optional[torch.Tensor] = None  # MoE: [E, 3 I H]
+    shared_gate_up: Optional[torch.Tensor] = None  # MoE with a shared expert: [2 Is, H]
+    shared_down: Optional[torch.Tensor] = None  # [H, Is]
+    shared_gate: Optional[torch.Tensor] = None  # [1, H]: the sigmoid gate of the shared expert's output
+
+    def __post_init__(self) -> None:
+        # A one-row F.linear takes a GEMV path whose summation order depends on the weight's address
+        # alignment; a fresh allocation (64-byte aligned, H elements) makes the gate bit-reproducible
+        # whether the tensor came from a checkpoint or an engine's memory map.
+        if self.shared_gate is not None:
+            self.shared_gate = self.shared_gate.clone()
 
     def expert_gate_up(self, intermediate: int) -> torch.Tensor:
         """View [E, 2 I, H] of every expert's gate and up rows (no copy)."""
@@ -131,6 +143,13 @@ def load_weights(ckpt: Checkpoint, cfg: ModelConfig, names: TensorNames, dtype: 
             E, I = cfg.moe.num_experts, cfg.moe.intermediate_size
             layer.router = read(moe + names.router, (E, H))
             layer.experts = _experts(read, ckpt, names, moe, E, I, H)
+            Is = cfg.moe.shared_intermediate_size
+            if Is:  # Qwen2-MoE's names (the one family with a shared expert so far)
+                shared = moe + "shared_expert."
+                layer.shared_gate_up = torch.cat([read(shared + "gate_proj.weight", (Is, H)),
+                                                  read(shared + "up_proj.weight", (Is, H))])
+                layer.shared_down = read(shared + "down_proj.weight", (H, Is))
+                layer.shared_gate = read(moe + "shared_expert_gate.weight", (1, H)).clone()  # see __post_init__
         else:
             mlp, I = names.mlp.format(i=i), cfg.intermediate_size
             layer.gate_up = torch.cat([read(mlp + "gate_proj.weight", (I, H)), read(mlp + "up_proj.weight", (I, H))])

