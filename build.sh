@@ -5,11 +5,19 @@
 #                       configure and build the native code (C++ always; CUDA when nvcc is found;
 #                       TensorRT plugins when TensorRT_ROOT points at an SDK) and install the package
 #                       in development mode (python/ on the venv's path, moespec._native in place)
-#   ./build.sh test     build as needed, then run the C++ tests (ctest) and pytest; exits non-zero
-#                       on any failure (CI runs exactly this)
+#                       and build the default engine (build/engines/default: a Qwen2-MoE derived from
+#                       SmolLM2-135M-Instruct and its EAGLE-3 head; about 20 minutes the first time,
+#                       cached in build/cache/default-model afterwards)
+#   ./build.sh test     build the native code as needed (not the default engine, which no test
+#                       needs), then run the C++ tests (ctest) and pytest; exits non-zero on any
+#                       failure (CI runs exactly this)
+#   ./build.sh bench    ./build.sh, then `moespec bench compare` of ar, eagle3 and eagle3+budget
+#                       policies on the default engine over held-out MT-Bench, HumanEval and GSM8K
+#                       prompts (report and plots in build/bench/compare)
 #
 # Environment: CUDA_ARCHS (default "80;90a"), TensorRT_ROOT, MOESPEC_CUDA=ON|OFF (default: auto),
-# MOESPEC_PYTHON_BIN (default python3.11), JOBS (parallel compile jobs, default: all cores).
+# MOESPEC_PYTHON_BIN (default python3.11), JOBS (parallel compile jobs, default: all cores),
+# BENCH_REQUESTS / BENCH_OUTPUT_TOKENS / BENCH_POLICIES (./build.sh bench; defaults 9, 64, see run_bench).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 ROOT=$(pwd)
@@ -68,12 +76,35 @@ fetch_prompt_sets() {
   "$VENV/bin/python" -m moespec.data.prompts fetch
 }
 
-build_all() {
+build_native_all() {
   setup_venv
   configure
   build_native
   install_dev
   fetch_prompt_sets
+}
+
+build_default_engine() {
+  # Derive the MoE, train its draft head, build the engine; each step cached by recipe (fixed seeds).
+  log "default engine (build/engines/default; cached by recipe, ~20 minutes the first time)"
+  "$VENV/bin/python" -m moespec.default_model --out "$ROOT/build/engines/default"
+}
+
+build_all() {
+  build_native_all
+  build_default_engine
+}
+
+run_bench() {
+  local engine=$ROOT/build/engines/default out=$ROOT/build/bench
+  mkdir -p "$out"
+  log "benchmark dataset: held-out MT-Bench, HumanEval and GSM8K prompts (the head never trained on them)"
+  "$VENV/bin/moespec" prepare-dataset --out "$out/default-mix.jsonl" --tokenizer "$engine/tokenizer" \
+    mix --split held --num-requests "${BENCH_REQUESTS:-9}" --output-tokens "${BENCH_OUTPUT_TOKENS:-64}"
+  log "moespec bench compare (policies interleaved request by request)"
+  "$VENV/bin/moespec" bench compare --engine "$engine" --dataset "$out/default-mix.jsonl" \
+    --policies "${BENCH_POLICIES:-ar,eagle3,eagle3+budget:24,eagle3+budget:16,eagle3+budget:12}" \
+    --out-dir "$out/compare"
 }
 
 run_tests() {
@@ -85,7 +116,8 @@ run_tests() {
 
 case "${1:-build}" in
   build) build_all ;;
-  test) build_all && run_tests ;;
-  -h | --help | help) sed -n '2,14p' "$0" ;;
-  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test)" ;;
+  test) build_native_all && run_tests ;;
+  bench) build_all && run_bench ;;
+  -h | --help | help) sed -n '2,22p' "$0" ;;
+  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench)" ;;
 esac

@@ -68,6 +68,36 @@ def write_checkpoint(family: str, folder: Path, seed: int = 0, **save_kwargs) ->
     return folder
 
 
+FP32_TOL = 1e-4  # of the logit scale: how close fp32 logits of two implementations must be
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = FP32_TOL) -> None:
+    """max |got - want| <= tol * max |want| (the logit scale)."""
+    scale = want.abs().max().item()
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * scale, f"max |d| = {err:.3g}, logit scale {scale:.3g}"
+
+
+def check_prefill_and_decode(model, hf, prompt: list[int], steps: int = 8) -> None:
+    """The runtime (loaded with taps=(0,)) against transformers: prefill logits and tap 0 (the residual
+    stream after layer 0), then ``steps`` greedy decode steps, each against a full transformers forward."""
+    cache = model.new_cache(1, len(prompt) + steps + 8)
+    out = model.prefill(cache, [prompt], logits="all")
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt]), output_hidden_states=True)
+    assert_close(out.logits[0], want.logits[0])
+    assert_close(out.hidden[0][0], want.hidden_states[1][0])
+    seq = list(prompt)
+    token = int(out.logits[0, -1].argmax())
+    for _ in range(steps):
+        seq.append(token)
+        got = model.decode(cache, [token]).logits[0]
+        with torch.no_grad():
+            assert_close(got, hf(torch.tensor([seq])).logits[0, -1])
+        token = int(got.argmax())
+    assert cache.lengths == [len(seq)]
+
+
 def reference(path: Path, dtype=torch.float32):
     kwargs = {"experts_implementation": "eager"} if "llama" not in str(path) else {}
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()

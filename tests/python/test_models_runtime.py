@@ -22,10 +22,11 @@ from hypothesis import HealthCheck, given, settings
 import moespec.models as mm
 from moespec.ops import ExpertBudget
 
-from models_fixtures import FAMILIES, MOE_FAMILIES, V, hf_tree_logits, reference, write_checkpoint
+from models_fixtures import (
+    FAMILIES, MOE_FAMILIES, V, assert_close, check_prefill_and_decode, hf_tree_logits, reference, write_checkpoint,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-FP32_TOL = 1e-4  # of the logit scale (max |logit| of the reference)
 # A decode step attends one query over the cache, where transformers recomputes the whole sequence:
 # the attention sums then run over differently shaped GEMMs, so bf16 logits may differ by a few bf16
 # ulps (1 ulp = 2^-8 relative): we accept 2% of the logit scale.
@@ -48,12 +49,6 @@ def refs(checkpoints):
     return {f: reference(p) for f, p in checkpoints.items()}
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, tol: float = FP32_TOL) -> None:
-    scale = want.abs().max().item()
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= tol * scale, f"max |d| = {err:.3g}, logit scale {scale:.3g}"
-
-
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -64,22 +59,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_and_decode_match_transformers(family, models, refs):
     model, hf = models[family], refs[family]
-    prompt = _prompt(11, 1)
-    cache = model.new_cache(1, 64)
-    out = model.prefill(cache, [prompt], logits="all")
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt]), output_hidden_states=True)
-    _close(out.logits[0], want.logits[0])
-    _close(out.hidden[0][0], want.hidden_states[1][0])  # tap 0 = the residual stream after layer 0
-    seq = list(prompt)
-    for step in range(8):
-        token = int(out.logits[0, -1].argmax()) if step == 0 else int(out.logits[0].argmax())
-        seq.append(token)
-        out = model.decode(cache, [token])
-        with torch.no_grad():
-            want = hf(torch.tensor([seq])).logits[0, -1]
-        _close(out.logits[0], want)
-    assert cache.lengths == [len(seq)]
+    check_prefill_and_decode(model, hf, _prompt(11, 1))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -102,7 +82,7 @@ def test_bf16_matches_transformers_bf16(family, checkpoints):
         got = model.decode(cache, [token]).logits[0]
         with torch.no_grad():
             want = hf(torch.tensor([seq])).logits[0, -1]
-        _close(got, want, tol=BF16_DECODE_TOL)
+        assert_close(got, want, tol=BF16_DECODE_TOL)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -117,7 +97,7 @@ def test_bf16_kernel_experts_stay_close_to_transformers(family, checkpoints):
     got = model.prefill(model.new_cache(1, 32), [prompt], logits="all").logits[0]
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]
-    _close(got, want, tol=BF16_DECODE_TOL)
+    assert_close(got, want, tol=BF16_DECODE_TOL)
     assert (got.float().argmax(-1) == want.float().argmax(-1)).float().mean() >= 0.8
 
 
@@ -126,7 +106,7 @@ def test_moe_impl_switch(checkpoints):
     prompt = _prompt(6, 5)
     kernel = model.prefill(model.new_cache(1, 8), [prompt]).logits
     model.moe_impl = "reference"
-    _close(kernel, model.prefill(model.new_cache(1, 8), [prompt]).logits, tol=1e-5)
+    assert_close(kernel, model.prefill(model.new_cache(1, 8), [prompt]).logits, tol=1e-5)
     with pytest.raises(ValueError, match="moe_impl: expected one of"):
         model.moe_impl = "fast"
 
@@ -150,8 +130,8 @@ def test_batch_of_prompts_of_different_lengths_equals_each_alone(models):
     for b, p in enumerate(prompts):
         alone_cache = model.new_cache(1, 32)
         alone = model.prefill(alone_cache, [p], logits="all")
-        _close(batched.logits[b, : len(p)], alone.logits[0], tol=1e-5)
-        _close(step.logits[b], model.decode(alone_cache, [5 + b]).logits[0], tol=1e-5)
+        assert_close(batched.logits[b, : len(p)], alone.logits[0], tol=1e-5)
+        assert_close(step.logits[b], model.decode(alone_cache, [5 + b]).logits[0], tol=1e-5)
     assert cache.lengths == [4, 13, 8]
 
 
@@ -175,7 +155,7 @@ def test_tree_logits_equal_decoding_each_path(family, tree, prompt_len, models, 
     cache = model.new_cache(1, 32)
     model.prefill(cache, [prompt])
     got = model.verify(cache, [tokens], [parents]).logits[0]  # [T, V]
-    _close(got, hf_tree_logits(hf, prompt, tokens, parents))
+    assert_close(got, hf_tree_logits(hf, prompt, tokens, parents))
     for node in range(len(tokens)):
         path, j = [], node
         while j >= 0:
@@ -185,7 +165,7 @@ def test_tree_logits_equal_decoding_each_path(family, tree, prompt_len, models, 
         model.prefill(path_cache, [prompt])
         for t in path:
             last = model.decode(path_cache, [t]).logits[0]
-        _close(got[node], last, tol=1e-5)
+        assert_close(got[node], last, tol=1e-5)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -210,10 +190,10 @@ def test_commit_keeps_the_accepted_path(family, tree, data, models, refs):
     fresh_cache = model.new_cache(1, 48)
     model.prefill(fresh_cache, [seq])
     for t, g in zip(follow, got):
-        _close(g, model.decode(fresh_cache, [t]).logits[0], tol=1e-5)
+        assert_close(g, model.decode(fresh_cache, [t]).logits[0], tol=1e-5)
         seq.append(t)
         with torch.no_grad():
-            _close(g, hf(torch.tensor([seq])).logits[0, -1])
+            assert_close(g, hf(torch.tensor([seq])).logits[0, -1])
 
 
 def test_batched_trees_equal_each_tree_alone(models):
@@ -226,7 +206,7 @@ def test_batched_trees_equal_each_tree_alone(models):
     for b, (prompt, (tokens, parents)) in enumerate(zip(prompts, trees_)):
         alone = model.new_cache(1, 32)
         model.prefill(alone, [prompt])
-        _close(batched[b, : len(tokens)], model.verify(alone, [tokens], [parents]).logits[0], tol=1e-5)
+        assert_close(batched[b, : len(tokens)], model.verify(alone, [tokens], [parents]).logits[0], tol=1e-5)
 
 
 # ---- expert budget --------------------------------------------------------------------------------
@@ -261,7 +241,7 @@ def test_budget_equals_the_reference_semantics_layer_by_layer(family, policy, mo
     out = model.verify(cache, [tokens], [parents], budget=budget)
     record: list = []
     want = hf_tree_logits(hf, prompt, tokens, parents, budget=budget, record=record)
-    _close(out.logits[0], want)
+    assert_close(out.logits[0], want)
     stats = out.expert_stats_by_layer()
     assert stats == record  # natural, kept, re-routed and dropped per MoE layer
     assert all(s.kept <= budget.max_experts for s in stats)

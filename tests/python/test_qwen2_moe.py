@@ -22,10 +22,9 @@ from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 import moespec.models as mm
 from moespec.ops import ExpertBudget
 
-from models_fixtures import V, hf_tree_logits, reference
+from models_fixtures import V, assert_close, check_prefill_and_decode, hf_tree_logits, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-FP32_TOL = 1e-4  # of the logit scale (max |logit| of the reference)
 
 
 def _config(norm_topk_prob: bool) -> Qwen2MoeConfig:
@@ -56,12 +55,6 @@ def hf(checkpoint):
     return reference(checkpoint)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, tol: float = FP32_TOL) -> None:
-    scale = want.abs().max().item()
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= tol * scale, f"max |d| = {err:.3g}, logit scale {scale:.3g}"
-
-
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -78,21 +71,7 @@ def test_prefill_and_decode_match_transformers(checkpoint, hf, impl):
     model = mm.load(checkpoint, "fp32", taps=(0,), moe_impl=impl)
     assert model.weights.layers[0].shared_gate.shape == (1, 64)
     assert model.weights.layers[1].shared_down is None  # the dense layer
-    prompt = _prompt(11, 1)
-    cache = model.new_cache(1, 64)
-    out = model.prefill(cache, [prompt], logits="all")
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt]), output_hidden_states=True)
-    _close(out.logits[0], want.logits[0])
-    _close(out.hidden[0][0], want.hidden_states[1][0])
-    seq = list(prompt)
-    token = int(out.logits[0, -1].argmax())
-    for _ in range(8):
-        seq.append(token)
-        got = model.decode(cache, [token]).logits[0]
-        with torch.no_grad():
-            _close(got, hf(torch.tensor([seq])).logits[0, -1])
-        token = int(got.argmax())
+    check_prefill_and_decode(model, hf, _prompt(11, 1))
 
 
 def test_bf16_reference_experts_are_bit_identical(checkpoint):
@@ -110,7 +89,7 @@ def test_tree_verify_matches_transformers(checkpoint, hf):
     prompt, tokens, parents = _prompt(5, 3), [9, 10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 1, 2, 5]
     cache = model.new_cache(1, 32)
     model.prefill(cache, [prompt])
-    _close(model.verify(cache, [tokens], [parents]).logits[0], hf_tree_logits(hf, prompt, tokens, parents))
+    assert_close(model.verify(cache, [tokens], [parents]).logits[0], hf_tree_logits(hf, prompt, tokens, parents))
 
 
 @pytest.mark.parametrize("policy", ["substitution", "truncation"])
@@ -122,7 +101,7 @@ def test_budget_keeps_the_shared_expert(checkpoint, hf, policy):
     model.prefill(cache, [prompt])
     out = model.verify(cache, [tokens], [parents], budget=budget)
     assert any(s.rerouted + s.dropped > 0 for s in out.expert_stats_by_layer()), "the budget should bind"
-    _close(out.logits[0], hf_tree_logits(hf, prompt, tokens, parents, budget=budget))
+    assert_close(out.logits[0], hf_tree_logits(hf, prompt, tokens, parents, budget=budget))
 
 
 @pytest.mark.parametrize(

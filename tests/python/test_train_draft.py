@@ -17,6 +17,7 @@ The MoE runs with moespec's plain-torch reference experts (independent of the na
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -101,6 +102,16 @@ def test_trained_head_agrees_with_the_target_better_than_untrained(setup, traine
     untrained = new_head(target.config, target.weights.embed, used, seed=0, aux_layers=head.config.aux_layers).eval()
     got, base = _agreement(head, target, setup["heldout"]), _agreement(untrained, target, setup["heldout"])
     assert got > base + 0.1 and got > 3 * base, f"trained {got:.3f}, untrained {base:.3f}"
+
+
+def test_bf16_autocast_tracks_the_fp32_run(setup, trained, tmp_path):
+    _, fp32 = trained
+    amp = train_draft(setup["path"], [setup["corpus_path"]], tmp_path / "amp", steps=20, checkpoint_every=25,
+                      amp=True, **ARGS)
+    assert all(math.isfinite(x) for x in amp.losses)
+    for a, b in zip(amp.losses[:3], fp32.losses[:3]):  # same batches and start: the same loss up to bf16 rounding
+        assert abs(a - b) <= 0.02 * abs(b), (amp.losses[:3], fp32.losses[:3])
+    assert sum(amp.losses[-5:]) < sum(amp.losses[:5]) - 0.5 * 5 / 4  # and it trains
 
 
 def test_written_folder_is_an_eagle3_checkpoint(setup, trained):

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import numpy as np
 from tqdm import tqdm
 
-from moespec.data.prompts import PromptRecord, PromptSource, default_cache_dir, load_records
+from moespec.data.prompts import SPLITS, PromptRecord, PromptSource, default_cache_dir, load_records, select_split
 
 DEFAULT_SEED = 420  # trtllm-bench prepare-dataset's default --random-seed
 DEFAULT_OUTPUT_TOKENS = 128  # for prompt-set sources without --output-tokens
@@ -279,14 +279,14 @@ def interleave(groups: Sequence[Sequence[Any]]) -> list[Any]:
 
 
 def mix_records(n: Optional[int], rng: np.random.Generator, cache_dir: Optional[Path] = None,
-                sources: Optional[Mapping[str, PromptSource]] = None) -> list[PromptRecord]:
+                sources: Optional[Mapping[str, PromptSource]] = None, split: str = "all") -> list[PromptRecord]:
     """The default benchmark mix: equal shares of MT-Bench, HumanEval and GSM8K, interleaved.
 
     Without ``n``, each set gives as many as the smallest has (3 x 80 = 240 for the pinned sets);
     with ``n``, the first ``n % 3`` sets give one more than the others.
     """
     _check_count(n)
-    sets = [load_records(name, cache_dir, sources) for name in PROMPT_SETS]
+    sets = [select_split(load_records(name, cache_dir, sources), split) for name in PROMPT_SETS]
     shares = ([min(len(s) for s in sets)] * 3 if n is None else
               [n // 3 + (1 if i < n % 3 else 0) for i in range(3)])
     return interleave([take(s, k, rng) for s, k in zip(sets, shares)])
@@ -315,9 +315,10 @@ def source_items(name: str, args: argparse.Namespace, *, seed: int, occurrence: 
     if args.output_tokens < 1:
         raise ValueError(f"{name}: --output-tokens must be >= 1, got {args.output_tokens}")
     if name == "mix":
-        records = mix_records(args.num_requests, rng, cache_dir, sources)
+        records = mix_records(args.num_requests, rng, cache_dir, sources, args.split)
     else:
-        records = take(load_records(name, cache_dir, sources, second_turns=getattr(args, "second_turns", False)),
+        records = take(select_split(load_records(name, cache_dir, sources,
+                                                 second_turns=getattr(args, "second_turns", False)), args.split),
                        args.num_requests, rng)
     bar = tqdm(records, desc=f"{name}: tokenize" if tokenizer is not None else name, leave=False,
                disable=not progress or tokenizer is None)
@@ -391,6 +392,9 @@ def _source_parser(name: str) -> argparse.ArgumentParser:
         return p
     p.add_argument("--num-requests", type=int, help="default: all records (mix: 3 x the smallest set)")
     p.add_argument("--output-tokens", type=int, default=DEFAULT_OUTPUT_TOKENS)
+    p.add_argument("--split", choices=SPLITS, default="all",
+                   help="held: only the 1 in 10 records (by hash of set/id) the default draft head never trained "
+                        "on; fit: the others (default: all)")
     if name == "mtbench":
         p.add_argument("--second-turns", action="store_true",
                        help="also a record per question asking both turns in one message")

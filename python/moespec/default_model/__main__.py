@@ -1,0 +1,5 @@
+import sys
+
+from moespec.default_model.pipeline import main
+
+sys.exit(main())
