@@ -217,8 +217,8 @@ def test_head_corpus_prompt_texts_respect_the_split(tmp_path):
             assert not tokenize
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
 
-    fit = pl.prompt_set_texts(Template(), "fit", tmp_path, table)
-    held = pl.prompt_set_texts(Template(), "held", tmp_path, table)
+    fit = dc.prompt_set_texts(Template(), "fit", tmp_path, table)
+    held = dc.prompt_set_texts(Template(), "held", tmp_path, table)
     assert len(fit) + len(held) == 120 and held and not set(fit) & set(held)
     records = [r for name in prompts.READERS for r in prompts.load_records(name, tmp_path, table)]
     assert len(held) == sum(r.held_out for r in records)

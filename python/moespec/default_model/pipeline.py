@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from moespec.default_model.corpus import Corpus
+from moespec.default_model.corpus import Corpus, prompt_set_texts
 from moespec.default_model.derive import SHAKESPEARE, DeriveSettings, build_default_moe, fetch_inputs, input_path
 
 RECIPE_VERSION = 1  # bump when the construction changes in a way the settings do not show
@@ -109,38 +109,6 @@ def _sample_files(files: dict[str, str], chars: int, seed: int) -> list[str]:
         out.append(files[name][:left])
         left -= len(out[-1])
     return out
-
-
-def prompt_set_texts(tokenizer: Any, split: str = "fit", prompts_cache: Optional[Path] = None,
-                     sources: Optional[dict] = None) -> list[str]:
-    """The prompt sets' records of ``split`` ("fit" or "held", as :attr:`PromptRecord.held_out`)
-    as training text: MT-Bench questions and GSM8K question + answer through the chat template,
-    HumanEval prompt + canonical solution as raw code."""
-    from moespec.data import prompts
-
-    held = split == "held"
-    texts = []
-    for name, src in (sources or prompts.SOURCES).items():
-        rows = [json.loads(line) for line in prompts.read_member(src, prompts_cache).splitlines() if line.strip()]
-        for record, row in zip(_records(name, rows), rows):
-            if prompts.PromptRecord(name, record[0], "", chat=True).held_out != held:
-                continue
-            user, answer = record[1], record[2]
-            if name == "humaneval":
-                texts.append(user + answer)
-                continue
-            messages = [{"role": "user", "content": user}] + ([{"role": "assistant", "content": answer}] if answer else [])
-            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not answer))
-    return texts
-
-
-def _records(name: str, rows: list[dict]) -> list[tuple[str, str, str]]:
-    """(id, user text, answer or "") of each row of a prompt-set file, ids as moespec.data.prompts has them."""
-    if name == "mtbench":
-        return [(str(r["question_id"]), r["turns"][0], "") for r in rows]
-    if name == "humaneval":
-        return [(str(r["task_id"]), r["prompt"], r.get("canonical_solution", "")) for r in rows]
-    return [(str(i), r["question"], r.get("answer", "")) for i, r in enumerate(rows)]
 
 
 def write_head_corpus(path: Path, moe_dir: Path, cache: Path, recipe: Recipe) -> dict[str, int]:

@@ -1,8 +1,8 @@
 """How good the derived default MoE is, against the dense SmolLM2 it came from.
 
 Measures (:func:`report` returns them as a dict and prints a table):
-- held-out perplexity of the dense model and the MoE, plays and code separately, on fixed windows
-  of the held-out files (:mod:`moespec.default_model.corpus`), both run by transformers;
+- held-out perplexity of the dense model and the MoE, plays, code and chat separately, on fixed
+  windows of the held-out split (:mod:`moespec.default_model.corpus`), both run by transformers;
 - greedy continuations of a few chat prompts (the tokenizer's chat template), dense and MoE;
 - routing statistics of the MoE on the held-out windows: per layer, the expert-usage entropy
   (of the share of routing slots each expert receives, divided by log N: 1 = every expert equally
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moespec.default_model.corpus import Corpus, sample_windows
+from moespec.default_model.corpus import Corpus, prompt_set_texts, sample_windows
 from moespec.default_model.derive import SHAKESPEARE, THREADS, gguf_path, input_path, load_teacher
 
 PROMPTS = (
@@ -39,7 +39,7 @@ PROMPTS = (
     "Give me three tips for staying healthy.",
 )
 VERIFY_TOKENS = 60  # tokens of one verify batch in the routing statistics
-HELD_SEEDS = {"plays": 101, "code": 102}  # held-out windows (the derive step samples the fitting files only)
+HELD_SEEDS = {"plays": 101, "code": 102, "chat": 103}  # held-out windows (the derive step samples the fitting split only)
 
 
 @torch.no_grad()
@@ -116,13 +116,15 @@ def report(model_dir: str | Path, *, cache_dir: str | Path, windows: int = 16, w
     dense, tokenizer = load_teacher(gguf_path(cache_dir))
     moe = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager").eval()
     corpus = Corpus.load(input_path(SHAKESPEARE, cache_dir))
-    held = {d: sample_windows(tokenizer, corpus.held[d], windows, window, HELD_SEEDS[d]) for d in ("plays", "code")}
+    texts = {"plays": corpus.held["plays"], "code": corpus.held["code"],
+             "chat": {"prompt-sets": "\n".join(prompt_set_texts(tokenizer, "held"))}}
+    held = {d: sample_windows(tokenizer, files, windows, window, HELD_SEEDS[d]) for d, files in texts.items()}
     ppl = {d: {"dense": perplexity(dense, w), "moe": perplexity(moe, w)} for d, w in held.items()}
     for v in ppl.values():
         v["ratio"] = v["moe"] / v["dense"]
     samples = [{"prompt": p, "dense": continuation(dense, tokenizer, p, max_new_tokens),
                 "moe": continuation(moe, tokenizer, p, max_new_tokens)} for p in prompts]
-    ids = torch.cat([routed_experts(moe, w) for w in held.values()], dim=1)  # [layers, 2B, L, K]
+    ids = torch.cat([routed_experts(moe, w) for w in held.values()], dim=1)  # [layers, 3B, L, K]
     routing = routing_stats(ids, moe.config.num_experts)
     check = runtime_unique(model_dir, held["plays"][0])
     want = [len(set(ids[l, 0, :VERIFY_TOKENS].reshape(-1).tolist())) for l in range(ids.shape[0])]
