@@ -264,6 +264,18 @@ def test_compare_end_to_end(tiny):
     assert "eagle3+budget:4" in text and "logp/token" in text and "Plot:" in text
 
 
+def test_compare_in_another_dtype(tiny, capsys):
+    out = tiny["root"] / "compare-fp32"
+    rc = main(["compare", "--engine", str(tiny["engine"]), "--dataset", str(tiny["dataset"]), "--policies", "ar,eagle3",
+               "--dtype", "fp32", "--warmup", "0", "--no-progress", "--out-dir", str(out)])
+    assert rc == 0
+    result = json.loads((out / "compare.json").read_text())
+    assert result["engine"]["dtype"] == "fp32" and tiny["opened"].info.dtype == "bf16"  # the bf16 engine, run in fp32
+    rows = {r["label"]: r for r in result["policies"]}
+    assert rows["ar"]["identical_share"] == 1.0  # fp32: greedy speculation is greedy decoding, token for token
+    assert "fp32" in capsys.readouterr().out
+
+
 def test_quality_proxy_without_budget_is_the_prefill_log_likelihood(tiny):
     target = tiny["opened"].target
     prompt, cont = [5, 17, 33], [9, 101, 2, 77, 13, 50, 8, 64]

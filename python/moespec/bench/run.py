@@ -6,7 +6,7 @@
         [--report-json <file>]
     moespec bench latency --engine <folder> --dataset <jsonl> [same, without batch options]
     moespec bench compare --engine <folder> --dataset <jsonl> --policies ar,eagle3,eagle3+budget:16,...
-        [--num-requests N] [--max-batch-size B] [--warmup W] [--out-dir <folder>]
+        [--num-requests N] [--max-batch-size B] [--warmup W] [--out-dir <folder>] [--dtype bf16|fp32]
 
 Every request generates exactly its ``output_tokens`` (SamplingParams(max_tokens=output_tokens,
 ignore_eos=True)), greedy unless --temperature says otherwise, in dataset order. Metrics and the
@@ -75,13 +75,14 @@ class Engine:
         return len(self.target.config.moe_layers) if self.target.config.moe is not None else 0
 
 
-def open_engine(folder: Union[str, Path]) -> Engine:
-    """Loads an engine folder (ValueError naming the problem for a missing or broken one)."""
+def open_engine(folder: Union[str, Path], dtype: Optional[str] = None) -> Engine:
+    """Loads an engine folder, in ``dtype`` ("bf16" | "fp32") instead of its own when given (converted
+    in memory); ValueError naming the problem for a missing or broken one."""
     from moespec.data.datasets import load_tokenizer
     from moespec.engine import load_engine
     from moespec.spec.eagle3 import load_eagle3
 
-    target, info = load_engine(folder)
+    target, info = load_engine(folder, dtype=dtype)
     head = load_eagle3(info.draft_folder, target) if info.draft_folder is not None else None
     tokenizer = load_tokenizer(info.tokenizer_folder) if info.tokenizer_folder is not None else None
     return Engine(Path(folder), target, info, head, tokenizer)
@@ -657,6 +658,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, help="draft tree depth (default: the engine's)")
     p.add_argument("--top-k", type=int, help="draft tree branching (default: the engine's)")
     p.add_argument("--total-tokens", type=int, help="draft tree nodes besides the root (default: the engine's)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="run in this dtype instead of the engine's (fp32: "
+                   "greedy outputs of different policies differ only by the budget, not by rounding)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -692,8 +695,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     tree = dict(depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
     try:
+        engine = open_engine(args.engine, args.dtype)
         if args.mode == "compare":
-            result = run_compare(args.engine, args.dataset, args.policies, num_requests=args.num_requests,
+            result = run_compare(engine, args.dataset, args.policies, num_requests=args.num_requests,
                                  max_batch_size=args.max_batch_size, warmup=args.warmup, budget=args.budget,
                                  progress=not args.no_progress, **tree)
             write_compare(result, args.out_dir)
@@ -703,10 +707,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         common = dict(num_requests=args.num_requests, warmup=args.warmup, policy=args.policy, budget=args.budget,
                       sampling=sampling, progress=not args.no_progress, **tree)
         if args.mode == "throughput":
-            report = run_throughput(args.engine, args.dataset, max_batch_size=args.max_batch_size,
+            report = run_throughput(engine, args.dataset, max_batch_size=args.max_batch_size,
                                     concurrency=args.concurrency, **common)
         else:
-            report = run_latency(args.engine, args.dataset, **common)
+            report = run_latency(engine, args.dataset, **common)
         print(format_report(report))
         if args.report_json:
             write_json(args.report_json, report)
