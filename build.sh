@@ -118,6 +118,6 @@ case "${1:-build}" in
   build) build_all ;;
   test) build_native_all && run_tests ;;
   bench) build_all && run_bench ;;
-  -h | --help | help) sed -n '2,22p' "$0" ;;
+  -h | --help | help) sed -n '2,20p' "$0" ;;
   *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench)" ;;
 esac
