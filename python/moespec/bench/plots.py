@@ -57,12 +57,7 @@ def pareto_plot(rows: Sequence[dict[str, Any]], path: Union[str, Path], *, basel
     ax.set_ylabel(f"speed-up over {baseline} (output tokens/s)")
     ax.set_title("Expert budget sweep: speed-up against agreement")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def experts_plot(rows: Sequence[dict[str, Any]], layers: dict[str, Sequence[float]], path: Union[str, Path]) -> Path:
@@ -97,6 +92,11 @@ def experts_plot(rows: Sequence[dict[str, Any]], layers: dict[str, Sequence[floa
     if any(layers.values()):
         right.legend(fontsize=8)
     right.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Union[str, Path]) -> Path:
+    """Lays out, writes (creating the folder) and closes ``fig``; returns the path."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
