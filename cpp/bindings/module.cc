@@ -13,6 +13,7 @@
 
 #include "moespec/cpu_isa.h"
 #include "moespec/error.h"
+#include "moespec/linear.h"
 #include "moespec/moe_experts.h"
 #include "moespec/route_experts.h"
 #include "moespec/thread_pool.h"
@@ -23,7 +24,8 @@ namespace py = pybind11;
 
 namespace moespec {
 
-void bind_draft_tree(py::module_& m);  // cpp/bindings/draft_tree.cc
+void bind_draft_tree(py::module_& m);     // cpp/bindings/draft_tree.cc
+void bind_decoder_step(py::module_& m);  // cpp/bindings/decoder_step.cc
 
 namespace {
 
@@ -90,6 +92,16 @@ void moe_experts_binding(const py::object& x, const py::object& ids, const py::o
   cpu::moe_experts(a);
 }
 
+void linear_binding(const py::object& x, const py::object& weight, const py::object& bias, const py::object& out) {
+  LinearArgs a;
+  a.x = to_view(x, "x");
+  a.weight = to_view(weight, "weight");
+  a.bias = to_view(bias, "bias");
+  a.out = to_view(out, "out");
+  py::gil_scoped_release release;
+  cpu::linear(a);
+}
+
 }  // namespace
 }  // namespace moespec
 
@@ -134,6 +146,10 @@ PYBIND11_MODULE(_native, m) {
         "(+ biases f32 [E, 2 I + H] for gpt_oss) -> out [T, H], written into the given output.",
         py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("experts"), py::arg("biases"), py::arg("out"),
         py::arg("intermediate_size"), py::arg("activation"), py::arg("limit"), py::arg("alpha"));
+  m.def("linear", &linear_binding,
+        "Dense projection at decode/verify sizes: x [T, K], weight [N, K] (+ bias [N]) -> out [T, N], written "
+        "into the given output.",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"));
   m.def("num_threads", [] { return ThreadPool::instance().num_threads(); }, "Threads of moespec's CPU pool.");
   m.def(
       "set_num_threads",
@@ -143,6 +159,7 @@ PYBIND11_MODULE(_native, m) {
       },
       "Sets the number of threads of moespec's CPU pool.", py::arg("n"));
   bind_draft_tree(m);
+  bind_decoder_step(m);
   m.attr("kMaxExperts") = kMaxExperts;
   m.attr("kMaxTopK") = kMaxTopK;
 }

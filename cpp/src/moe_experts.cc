@@ -137,9 +137,52 @@ void matmul_nt(const void* w, int64_t ldw, int64_t n_rows, const void* act, int6
   }
 }
 
+template <typename W>
+void accumulate_nn(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda, int64_t n_tok,
+                   float* c, int64_t ldc) {
+  const W* wp = static_cast<const W*>(w);
+  for (int64_t n = 0; n < n_tok; ++n) {
+    float* cn = c + n * ldc;
+    for (int64_t s = 0; s < S; ++s) {
+      const float av = a[n * lda + s];
+      const W* ws = wp + s * ldw;
+      for (int64_t j = 0; j < N; ++j) cn[j] += av * to_float(ws[j]);
+    }
+  }
+}
+
 }  // namespace
-const MoeExpertKernels kMoeExperts = {matmul_nt<float>, matmul_nt<uint16_t>, DType::kFloat32, "scalar"};
+const MoeExpertKernels kMoeExperts = {matmul_nt<float>, matmul_nt<uint16_t>, accumulate_nn<float>,
+                                      accumulate_nn<uint16_t>, DType::kFloat32, "scalar"};
 }  // namespace scalar
+
+std::size_t staged_row_bytes(const MoeExpertKernels& kernels, DType w_dtype, int64_t K) {
+  const bool act_bf16 = w_dtype == DType::kBFloat16 && kernels.bf16_act == DType::kBFloat16;
+  return static_cast<std::size_t>((K + kMoeActPad - 1) / kMoeActPad * kMoeActPad) * (act_bf16 ? 2 : 4);
+}
+
+void stage_activations(const MoeExpertKernels& kernels, DType w_dtype, const void* x, int64_t ld, int64_t T,
+                       int64_t K, void* dst) {
+  const bool bf16 = w_dtype == DType::kBFloat16;
+  const bool act_bf16 = bf16 && kernels.bf16_act == DType::kBFloat16;
+  const int64_t Kp = (K + kMoeActPad - 1) / kMoeActPad * kMoeActPad;
+  for (int64_t t = 0; t < T; ++t) {
+    if (act_bf16) {
+      uint16_t* row = static_cast<uint16_t*>(dst) + t * Kp;
+      std::memcpy(row, static_cast<const uint16_t*>(x) + t * ld, static_cast<std::size_t>(K) * 2);
+      std::fill(row + K, row + Kp, uint16_t{0});
+    } else {
+      float* row = static_cast<float*>(dst) + t * Kp;
+      if (bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(x) + t * ld;
+        for (int64_t i = 0; i < K; ++i) row[i] = detail::bf16_to_float(src[i]);
+      } else {
+        std::memcpy(row, static_cast<const float*>(x) + t * ld, static_cast<std::size_t>(K) * 4);
+      }
+      std::fill(row + K, row + Kp, 0.0f);
+    }
+  }
+}
 
 const MoeExpertKernels& moe_expert_kernels(CpuIsa isa) {
   switch (isa) {
@@ -336,27 +379,6 @@ int64_t group_slots(const MoeExpertsArgs& a, int64_t T, int64_t K, int64_t E, Wo
   return U;
 }
 
-// x [T, H] (row stride ld) -> xa [T, Hp] in the activation dtype, zero-padded.
-void stage_x(const MoeExpertsArgs& a, const Problem& p, void* xa) {
-  const int64_t ld = p.T > 1 ? a.x.strides[0] : p.H;
-  for (int64_t t = 0; t < p.T; ++t) {
-    if (p.act_bf16) {
-      uint16_t* dst = static_cast<uint16_t*>(xa) + t * p.Hp;
-      std::memcpy(dst, a.x.ptr<const uint16_t>() + t * ld, static_cast<std::size_t>(p.H) * 2);
-      std::fill(dst + p.H, dst + p.Hp, uint16_t{0});
-    } else {
-      float* dst = static_cast<float*>(xa) + t * p.Hp;
-      if (p.bf16) {
-        const uint16_t* src = a.x.ptr<const uint16_t>() + t * ld;
-        for (int64_t i = 0; i < p.H; ++i) dst[i] = detail::bf16_to_float(src[i]);
-      } else {
-        std::memcpy(dst, a.x.ptr<const float>() + t * ld, static_cast<std::size_t>(p.H) * 4);
-      }
-      std::fill(dst + p.H, dst + p.Hp, 0.0f);
-    }
-  }
-}
-
 }  // namespace
 
 void moe_experts(const MoeExpertsArgs& args) { moe_experts_with(args, moe_expert_kernels(active_cpu_isa())); }
@@ -391,7 +413,8 @@ void moe_experts_with(const MoeExpertsArgs& args, const MoeExpertKernels& kernel
   p.ws = &ws;
   const std::size_t act_size = p.act_bf16 ? 2 : 4;
   void* xa = ws.xa.get(static_cast<std::size_t>(T * p.Hp) * act_size);
-  stage_x(args, p, xa);  // x is read only here (so out may alias x)
+  stage_activations(kernels, args.x.dtype, args.x.data, T > 1 ? args.x.strides[0] : H, T, H,
+                    xa);  // x is read only here (so out may alias x)
   p.xa = xa;
   p.hbuf = ws.hbuf.get(static_cast<std::size_t>(U * p.Ip) * act_size);
   p.acc = bf16 ? static_cast<float*>(ws.acc.get(static_cast<std::size_t>(T * H) * 4)) : args.out.ptr<float>();

@@ -122,9 +122,73 @@ struct Tile {
 
 #include "moe_experts_schedule.inc"  // run_tile_tn, matmul_nt: the ISA-independent schedule
 
+// accumulate_nn (moe_experts_simd.h): blocks of 4 vectors (32 columns) x 2 activation rows, s
+// ascending, one FMA per s and element; a column tail of < 8 goes through a zero-extended load
+// and a partial store.
+template <typename WT>
+void accumulate_nn(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda, int64_t n_tok,
+                   float* c, int64_t ldc) {
+  using O = Ops8<WT>;
+  const WT* wp = static_cast<const WT*>(w);
+  for (int64_t j0 = 0; j0 < N; j0 += 32) {
+    const int64_t cols = std::min<int64_t>(32, N - j0);
+    const int nv = static_cast<int>((cols + 7) / 8);
+    for (int64_t n0 = 0; n0 < n_tok; n0 += 2) {
+      const int tn = n_tok - n0 >= 2 ? 2 : 1;
+      __m256 acc[2][4];
+      for (int n = 0; n < tn; ++n)
+        for (int v = 0; v < nv; ++v) {
+          const int64_t left = cols - v * 8;
+          float* cp = c + (n0 + n) * ldc + j0 + v * 8;
+          if (left >= 8) {
+            acc[n][v] = _mm256_loadu_ps(cp);
+          } else {
+            float tmp[8] = {};
+            std::memcpy(tmp, cp, static_cast<std::size_t>(left) * 4);
+            acc[n][v] = _mm256_loadu_ps(tmp);
+          }
+        }
+      for (int64_t s = 0; s < S; ++s) {
+        const WT* ws = wp + s * ldw + j0;
+        __m256 wv[4];
+        for (int v = 0; v < nv; ++v) {
+          const int64_t left = cols - v * 8;
+          wv[v] = left >= 8 ? O::load_w(ws + v * 8) : O::load_w_tail(ws + v * 8, left);
+        }
+        for (int n = 0; n < tn; ++n) {
+          const __m256 av = _mm256_set1_ps(a[(n0 + n) * lda + s]);
+          for (int v = 0; v < nv; ++v) acc[n][v] = _mm256_fmadd_ps(av, wv[v], acc[n][v]);
+        }
+      }
+      for (int n = 0; n < tn; ++n)
+        for (int v = 0; v < nv; ++v) {
+          const int64_t left = cols - v * 8;
+          float* cp = c + (n0 + n) * ldc + j0 + v * 8;
+          if (left >= 8) {
+            _mm256_storeu_ps(cp, acc[n][v]);
+          } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[n][v]);
+            std::memcpy(cp, tmp, static_cast<std::size_t>(left) * 4);
+          }
+        }
+    }
+  }
+}
+
 }  // namespace
 
-const MoeExpertKernels kMoeExperts = {matmul_nt<Ops8<float>>, matmul_nt<Ops8<uint16_t>>, DType::kFloat32, "avx2"};
+void accumulate_nn_f32(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda, int64_t n_tok,
+                       float* c, int64_t ldc) {
+  accumulate_nn<float>(w, ldw, S, N, a, lda, n_tok, c, ldc);
+}
+void accumulate_nn_bf16(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda,
+                        int64_t n_tok, float* c, int64_t ldc) {
+  accumulate_nn<uint16_t>(w, ldw, S, N, a, lda, n_tok, c, ldc);
+}
+
+const MoeExpertKernels kMoeExperts = {matmul_nt<Ops8<float>>, matmul_nt<Ops8<uint16_t>>, accumulate_nn_f32,
+                                      accumulate_nn_bf16, DType::kFloat32, "avx2"};
 
 }  // namespace avx2
 }  // namespace cpu

@@ -11,6 +11,7 @@
 // thread count.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "moespec/cpu_isa.h"
@@ -32,9 +33,20 @@ constexpr int64_t kMoeActPad = 32;
 using MoeMatmulNt = void (*)(const void* w, int64_t ldw, int64_t n_rows, const void* act, int64_t ld_act,
                              const int32_t* rows, int64_t n_tok, int64_t K, float* c, int64_t ldc);
 
+// "NN" accumulation, the weight rows along the summed dimension (attention's probabilities times
+// values, linear.h's users):
+//   c[n * ldc + j] += sum_{s < S} a[n * lda + s] * w[s * ldw + j]   for j < N, n < n_tok
+// with s ascending, one multiply-add per s (SIMD paths fuse it): every element's order depends on
+// nothing but S, so results do not depend on n_tok or the blocking. w: S rows of N contiguous
+// elements (fp32 or bf16 by table entry); a, c: fp32.
+using MoeAccumulateNn = void (*)(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda,
+                                 int64_t n_tok, float* c, int64_t ldc);
+
 struct MoeExpertKernels {
   MoeMatmulNt matmul_f32;   // fp32 weights x fp32 activations
   MoeMatmulNt matmul_bf16;  // bf16 weights x activations of dtype bf16_act
+  MoeAccumulateNn accumulate_f32;   // fp32 rows
+  MoeAccumulateNn accumulate_bf16;  // bf16 rows
   // Activations for matmul_bf16: kBFloat16 (products of bf16 pairs, vdpbf16ps) or kFloat32 (exact
   // fp32 copies of the bf16-rounded values).
   DType bf16_act;
@@ -43,6 +55,14 @@ struct MoeExpertKernels {
 
 // The table for `isa` (for avx512: the AVX512_BF16 variant when the CPU has it).
 const MoeExpertKernels& moe_expert_kernels(CpuIsa isa);
+
+// Activation staging for the product of `kernels` with weights of dtype `w_dtype`: rows x [T, K]
+// (dtype x_dtype = w_dtype, row stride ld) -> dst [T, round_up(K, kMoeActPad)] in the product's
+// activation dtype (bf16 bits, or fp32 values; exact copies), zero-padded. dst 64-byte aligned.
+void stage_activations(const MoeExpertKernels& kernels, DType w_dtype, const void* x, int64_t ld, int64_t T,
+                       int64_t K, void* dst);
+// Bytes of one staged row of K elements.
+std::size_t staged_row_bytes(const MoeExpertKernels& kernels, DType w_dtype, int64_t K);
 
 // cpu::moe_experts with the given table instead of the active ISA's (tests run every table).
 void moe_experts_with(const MoeExpertsArgs& args, const MoeExpertKernels& kernels);
@@ -53,6 +73,11 @@ extern const MoeExpertKernels kMoeExperts;
 #if defined(MOESPEC_HAVE_AVX2)
 namespace avx2 {
 extern const MoeExpertKernels kMoeExperts;
+// Also the AVX-512 tables' accumulate entries (an AVX-512 CPU runs AVX2 code).
+void accumulate_nn_f32(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda, int64_t n_tok,
+                       float* c, int64_t ldc);
+void accumulate_nn_bf16(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda,
+                        int64_t n_tok, float* c, int64_t ldc);
 }
 #endif
 #if defined(MOESPEC_HAVE_AVX512)

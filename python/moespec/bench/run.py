@@ -1,4 +1,5 @@
-"""``moespec bench throughput|latency|compare``: trtllm-bench-style runs over an engine folder.
+"""``moespec bench throughput|latency|compare``: trtllm-bench-style runs over an engine folder
+(``moespec bench roofline``, step times against the machine's roofline, is :mod:`moespec.bench.roofline`).
 
     moespec bench throughput --engine <folder> --dataset <jsonl> [--num-requests N]
         [--max-batch-size B | --concurrency C] [--warmup W] [--policy ar|eagle3|eagle3+budget] [--budget B]
@@ -680,6 +681,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--seed", type=int, default=0, help="request seeds are seed + task_id")
         p.add_argument("--report-json", help="write the report as JSON (trtllm-bench --report_json sections)")
+    sub.add_parser("roofline", help="step times against the machine's roofline (see moespec bench roofline --help)")
     p = sub.add_parser("compare", help="several policies on the same requests, interleaved, in one table")
     _common(p)
     p.add_argument("--policies", required=True, help=f"comma-separated: {POLICY_FORMS}")
@@ -692,7 +694,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``moespec bench throughput|latency|compare ...``; returns the exit status (2: bad input, 130:
     interrupted)."""
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "roofline":
+        from moespec.bench.roofline import main as roofline_main
+
+        return roofline_main(argv[1:])
+    args = _parser().parse_args(argv)
     tree = dict(depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
     try:
         engine = open_engine(args.engine, args.dtype)

@@ -17,59 +17,20 @@ and key/value heads, D head dim, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
 import os
 
 import torch
-import torch.nn.functional as F
 
 from moespec.models.cache import KVCache, PendingTree
 from moespec.models.config import ModelConfig
-from moespec.models.moe import MOE_IMPLS, moe_forward
-from moespec.models.weights import LayerWeights, ModelWeights
-from moespec.ops import ExpertBudget, RoutingStats
+from moespec.models.moe import MOE_IMPLS
+from moespec.models.weights import ModelWeights
+from moespec.ops import ExpertBudget
+from moespec.runtime.backend import BACKENDS, ForwardOutput, make_backend, rms_norm, rotate
 
-
-@dataclass
-class ForwardOutput:
-    """What one call of prefill / decode / verify returns."""
-
-    logits: torch.Tensor  # decode and prefill(logits="last"): [B, V]; prefill("all") and verify: [B, T, V]
-    hidden: tuple[torch.Tensor, ...]  # per tap layer: the residual stream after it, [B, T, H]
-    expert_stats: torch.Tensor  # int32 [MoE layers, 4]: natural unique, kept, re-routed, dropped
-    num_tokens: list[int]  # [B] new tokens per request (T = max)
-
-    def expert_stats_by_layer(self) -> list[RoutingStats]:
-        return [RoutingStats(*row) for row in self.expert_stats.tolist()]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in fp32, cast back, then scale."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-@dataclass
-class _Batch:
-    """The padded inputs of one forward call."""
-
-    tokens: torch.Tensor  # long [B, T]
-    num: list[int]  # [B]
-    starts: list[int]  # [B] committed tokens before this call
-    positions: torch.Tensor  # long [B, T]
-    visible: torch.Tensor  # bool [B, T, S]
-    valid: torch.Tensor  # bool [B, T]
-    rows: torch.Tensor  # long [P]: request of each valid token
-    cols: torch.Tensor  # long [P]: its index among the request's new tokens
-    slots: torch.Tensor  # long [P]: its cache slot
+__all__ = ["ForwardOutput", "TargetModel", "rms_norm", "rotate"]
 
 
 class TargetModel:
@@ -84,11 +45,16 @@ class TargetModel:
         (for the EAGLE-3 draft head). Change with :meth:`set_taps`.
     moe_impl : {"kernel", "reference"}, optional
         How MoE layers run their experts (:mod:`moespec.models.moe`); default: the environment
-        variable MOESPEC_MOE_IMPL, else "kernel". Also settable later as ``model.moe_impl``.
+        variable MOESPEC_MOE_IMPL, else "kernel". Also settable later as ``model.moe_impl``
+        ("reference" also selects the reference backend).
+    backend : {"native", "reference"}, optional
+        How calls run (:mod:`moespec.runtime.backend`): the native decoder step (default where it
+        runs: CPU, float32 or bfloat16) or the torch reference forward; default: the environment
+        variable MOESPEC_BACKEND, else "native". Settable later as ``model.backend_name``.
     """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, taps: Sequence[int] = (),
-                 moe_impl: Optional[str] = None):
+                 moe_impl: Optional[str] = None, backend: Optional[str] = None):
         self.config = config
         self.weights = weights
         self.dtype = weights.dtype
@@ -96,7 +62,9 @@ class TargetModel:
         self.taps: tuple[int, ...] = ()
         self.set_taps(taps)
         self._moe_impl = "kernel"
-        self.moe_impl = moe_impl or os.environ.get("MOESPEC_MOE_IMPL", "kernel")
+        self._backend_choice = backend
+        self.backend = None
+        self.moe_impl = moe_impl or os.environ.get("MOESPEC_MOE_IMPL", "kernel")  # chooses the backend too
 
     @property
     def moe_impl(self) -> str:
@@ -107,6 +75,19 @@ class TargetModel:
         if impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl: expected one of {MOE_IMPLS}, got {impl!r}")
         self._moe_impl = impl
+        self.backend = make_backend(self, self._backend_choice)
+
+    @property
+    def backend_name(self) -> str:
+        """The backend calls run on: "native" or "reference" (see :mod:`moespec.runtime.backend`)."""
+        return self.backend.name
+
+    @backend_name.setter
+    def backend_name(self, name: str) -> None:
+        if name not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
+        self._backend_choice = name
+        self.backend = make_backend(self, name)
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -137,9 +118,8 @@ class TargetModel:
         if logits not in ("last", "all"):
             raise ValueError(f"prefill: logits must be 'last' or 'all', got {logits!r}")
         seqs = self._token_lists(cache, prompts, "prompts")
-        batch = self._batch(cache, seqs, parents=None)
-        out = self._forward(cache, batch, budget=None, last_only=logits == "last")
-        self._advance(cache, batch.num)
+        out = self.backend.forward(cache, seqs, None, None, last_only=logits == "last")
+        self._advance(cache, out.num_tokens)
         return out
 
     @torch.inference_mode()
@@ -148,9 +128,8 @@ class TargetModel:
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.reshape(-1).tolist()
         seqs = self._token_lists(cache, [[] if t is None else [t] for t in tokens], "tokens")
-        batch = self._batch(cache, seqs, parents=None)
-        out = self._forward(cache, batch, budget=None, last_only=True)
-        self._advance(cache, batch.num)
+        out = self.backend.forward(cache, seqs, None, None, last_only=True)
+        self._advance(cache, out.num_tokens)
         return out
 
     @torch.inference_mode()
@@ -176,8 +155,7 @@ class TargetModel:
             for i, p in enumerate(ps[1:], start=1):
                 if not 0 <= p < i:
                     raise ValueError(f"verify: tree {b}: node {i} has parent {p}; parents must be earlier nodes")
-        batch = self._batch(cache, seqs, parents=parent_lists)
-        out = self._forward(cache, batch, budget=budget, last_only=False)
+        out = self.backend.forward(cache, seqs, parent_lists, budget, last_only=False)
         cache.pending = PendingTree(parent_lists)
         return out
 
@@ -230,96 +208,6 @@ class TargetModel:
             raise ValueError(f"{what}: no tokens to run")
         return out
 
-    def _batch(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]]) -> _Batch:
-        B, T = len(seqs), max(len(s) for s in seqs)
-        num = [len(s) for s in seqs]
-        starts = list(cache.lengths)
-        tokens = torch.tensor([s + [0] * (T - len(s)) for s in seqs])  # [B, T]
-        start, count = torch.tensor(starts), torch.tensor(num)
-        index = torch.arange(T)
-        valid = index[None, :] < count[:, None]  # [B, T]
-        S = max(s + n for s, n in zip(starts, num))
-        slot = torch.arange(S)
-        prefix = slot[None, :] < start[:, None]  # [B, S]
-        rel = slot[None, :] - start[:, None]  # [B, S]: index among the new tokens
-        in_new = (rel >= 0) & (rel < count[:, None])  # [B, S]
-        if parents is None:  # sequences: causal among the new tokens
-            depth = index.expand(B, T)
-            new_vis = in_new[:, None, :] & (rel[:, None, :] <= index[None, :, None])  # [B, T, S]
-        else:  # trees: ancestor-or-self rows, each built from its parent's row
-            depth = torch.zeros(B, T, dtype=torch.long)
-            relation = torch.zeros(B, T, T, dtype=torch.bool)  # [b, i, j]: node i sees node j
-            for b, ps in enumerate(parents):
-                for i, p in enumerate(ps):
-                    if i:
-                        relation[b, i] = relation[b, p]
-                        depth[b, i] = depth[b, p] + 1
-                    relation[b, i, i] = True
-            new_vis = torch.gather(relation, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S)) & in_new[:, None, :]
-        visible = prefix[:, None, :] | new_vis  # [B, T, S]
-        visible[:, :, 0] |= ~valid  # padded queries look at one slot (their output is discarded)
-        rows, cols = valid.nonzero(as_tuple=True)
-        return _Batch(tokens=tokens, num=num, starts=starts, positions=start[:, None] + depth, visible=visible,
-                      valid=valid, rows=rows, cols=cols, slots=start[rows] + cols)
-
     def _advance(self, cache: KVCache, num: list[int]) -> None:
         for b, n in enumerate(num):
             cache.lengths[b] += n
-
-    def _forward(self, cache: KVCache, batch: _Batch, budget: Optional[ExpertBudget], last_only: bool) -> ForwardOutput:
-        c, w = self.config, self.weights
-        B, T = batch.tokens.shape
-        S = batch.visible.shape[-1]
-        freqs = batch.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # [B, 1, T, D]
-        mask = batch.visible[:, None]  # [B, 1, T, S]
-        x = F.embedding(batch.tokens, w.embed)  # [B, T, H]
-        tapped, stats = {}, []
-        for i, layer in enumerate(w.layers):
-            x = x + self._attention(i, layer, rms_norm(x, layer.input_norm, c.rms_norm_eps), cos, sin, mask, cache,
-                                    batch, S)
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            if c.is_moe_layer(i):
-                y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, budget,  # valid tokens only
-                                             self.moe_impl)
-                mlp = torch.zeros_like(h)
-                mlp[batch.rows, batch.cols] = y
-                stats.append(layer_stats)
-            else:
-                gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-                mlp = F.linear(F.silu(gate) * up, layer.down)
-            x = x + mlp
-            if i in self.taps:
-                tapped[i] = x
-        if last_only:
-            last = torch.tensor([max(n - 1, 0) for n in batch.num])
-            x = x[torch.arange(B), last]  # [B, H]
-        logits = F.linear(rms_norm(x, w.final_norm, c.rms_norm_eps), w.lm_head)
-        if last_only:
-            logits = logits * batch.valid.any(dim=1, keepdim=True)  # zeros for requests without new tokens
-        expert_stats = torch.stack(stats) if stats else torch.zeros(0, 4, dtype=torch.int32)
-        return ForwardOutput(logits=logits, hidden=tuple(tapped[t] for t in self.taps), expert_stats=expert_stats,
-                             num_tokens=list(batch.num))
-
-    def _attention(self, index: int, layer: LayerWeights, h: torch.Tensor, cos, sin, mask, cache: KVCache,
-                   batch: _Batch, S: int) -> torch.Tensor:
-        c = self.config
-        B, T, _ = h.shape
-        D, Hq, Hkv = c.head_dim, c.num_heads, c.num_kv_heads
-        q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        if c.qk_norm == "full":
-            q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        if c.clip_qkv is not None:
-            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        q, k, v = q.view(B, T, Hq, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
-        if c.qk_norm == "per_head":
-            q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q = rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        k_cache, v_cache = cache.k[index], cache.v[index]  # [B, Hkv, S_max, D]
-        k_cache[batch.rows, :, batch.slots] = k[batch.rows, :, batch.cols]
-        v_cache[batch.rows, :, batch.slots] = v.transpose(1, 2)[batch.rows, :, batch.cols]
-        o = F.scaled_dot_product_attention(q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask,
-                                           scale=D**-0.5, enable_gqa=Hq != Hkv)  # [B, Hq, T, D]
-        return F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), layer.o, layer.o_bias)

@@ -4,10 +4,13 @@
   MoE-Spec's expert budget, producing the routing contract (:class:`Routing`).
 - :func:`moe_experts` (op ``moespec::moe_experts``): the routed experts of an MoE layer, each
   active expert's weights read once (fast CPU kernel, SIMD + thread pool).
+- :func:`linear` (op ``moespec::linear``): a dense projection at decode/verify sizes, weights
+  streamed once for all tokens, batch-invariant.
 - :mod:`moespec.ops.reference`: the plain-torch reference implementations the tests hold the
   native ops against.
 """
 
+from moespec.ops.linear import linear, linear_op
 from moespec.ops.moe import moe_experts, moe_experts_op, num_threads, set_num_threads
 from moespec.ops.routing import (
     ExpertBudget,
@@ -21,6 +24,8 @@ from moespec.ops.routing import (
 
 __all__ = [
     "ExpertBudget",
+    "linear",
+    "linear_op",
     "moe_experts",
     "moe_experts_op",
     "num_threads",

@@ -57,6 +57,7 @@ from torch import nn
 
 from moespec.models.config import ModelConfig, RawConfig, RopeConfig, parse_rope
 from moespec.models.runtime import TargetModel, rms_norm, rotate
+from moespec.ops.linear import linear
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -459,7 +460,7 @@ class Eagle3Head(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [.., Vd]: ``lm_head(norm(hidden))`` for output hidden states [.., H]."""
-        return F.linear(rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps), self.lm_head.weight).float()
+        return linear(rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps), self.lm_head.weight).float()
 
     @torch.inference_mode()
     def forward(self, cache: DraftCache, tokens: torch.Tensor, hidden: Features, *, positions: torch.Tensor,
@@ -564,7 +565,7 @@ class Eagle3Head(nn.Module):
             own = f"{c.hidden_size} (draft hidden states) or " if allow_own else ""
             raise ValueError(f"features: last dimension is {hidden.shape[-1]}, expected {own}"
                              f"3 x {c.target_hidden_size} (target taps)")
-        return F.linear(hidden.to(self.dtype), self.fc.weight)
+        return linear(hidden.to(self.dtype), self.fc.weight)
 
     def _inputs(self, tokens: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual [B, T, H] and the attention input cat(norm(embed), norm(h)) [B, T, 2H]."""
@@ -579,9 +580,9 @@ class Eagle3Head(nn.Module):
         c, a = self.config, self.midlayer.self_attn
         B, T, _ = x.shape
         D = c.head_dim
-        q = F.linear(x, a.q_proj.weight).view(B, T, c.num_heads, D).transpose(1, 2)
-        k = F.linear(x, a.k_proj.weight).view(B, T, c.num_kv_heads, D).transpose(1, 2)
-        v = F.linear(x, a.v_proj.weight).view(B, T, c.num_kv_heads, D).transpose(1, 2)
+        q = linear(x, a.q_proj.weight).view(B, T, c.num_heads, D).transpose(1, 2)
+        k = linear(x, a.k_proj.weight).view(B, T, c.num_kv_heads, D).transpose(1, 2)
+        v = linear(x, a.v_proj.weight).view(B, T, c.num_kv_heads, D).transpose(1, 2)
         if self._inv_freq.device != x.device:
             self._inv_freq = self._inv_freq.to(x.device)
         freqs = positions.to(x.device)[..., None].float() * self._inv_freq  # [B, T, D/2]
@@ -593,9 +594,9 @@ class Eagle3Head(nn.Module):
         """Attention output [B, Hq, T, D] -> o_proj, residual, SwiGLU MLP, residual: [B, T, H]."""
         m, eps = self.midlayer, self.config.rms_norm_eps
         B, _, T, _ = o.shape
-        h = residual + F.linear(o.transpose(1, 2).reshape(B, T, -1), m.self_attn.o_proj.weight)
+        h = residual + linear(o.transpose(1, 2).reshape(B, T, -1), m.self_attn.o_proj.weight)
         x = rms_norm(h, m.post_attention_layernorm.weight, eps)
-        return h + F.linear(F.silu(F.linear(x, m.mlp.gate_proj.weight)) * F.linear(x, m.mlp.up_proj.weight),
+        return h + linear(F.silu(linear(x, m.mlp.gate_proj.weight)) * linear(x, m.mlp.up_proj.weight),
                             m.mlp.down_proj.weight)
 
     def _chain_attention(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

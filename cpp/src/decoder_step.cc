@@ -1,0 +1,616 @@
+// decoder_step on the CPU: every decoder layer of a decode or verify step in one native call
+// (contract and rounding: cpp/include/moespec/decoder_step.h; reference: the torch forward of
+// python/moespec/models/runtime.py, which tests/python/test_decoder_step.py holds this against).
+//
+// Values between ops are fp32 arrays holding exactly what the reference's tensors hold (bf16
+// values for a bf16 model: `round_model` after every op where torch rounds). The projections are
+// linear_staged (linear.h), the MoE experts moe_experts, the routing route_experts, attention a
+// per-(request, kv head, token chunk) task over the cache with the NT product for q.k and the NN
+// accumulation for p.v (moe_experts_simd.h). Only the projections, the experts and attention run
+// on the thread pool; the elementwise ops (P x H values) run on the calling thread.
+#include "moespec/decoder_step.h"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "linear_impl.h"
+#include "moe_experts_simd.h"
+#include "moespec/cpu_isa.h"
+#include "moespec/detail/route_math.h"
+#include "moespec/error.h"
+#include "moespec/moe_experts.h"
+#include "moespec/thread_pool.h"
+
+namespace moespec {
+using cpu::kMoeActPad;
+using cpu::MoeExpertKernels;
+using cpu::moe_expert_kernels;
+using cpu::staged_row_bytes;
+
+namespace {
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+constexpr int64_t kMaxHeadDim = 512;
+
+// A grow-only, 64-byte aligned array of T.
+template <typename T>
+class Buffer {
+ public:
+  T* get(int64_t n) {
+    const std::size_t bytes = static_cast<std::size_t>(std::max<int64_t>(n, 1)) * sizeof(T);
+    if (bytes > capacity_) {
+      const std::size_t cap = (bytes + 63) / 64 * 64;
+      void* p = std::aligned_alloc(64, cap);
+      if (p == nullptr) throw std::bad_alloc();
+      data_.reset(static_cast<T*>(p));
+      capacity_ = cap;
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> data_;
+  std::size_t capacity_ = 0;
+};
+
+// What the model dtype makes of a value: bf16 rounding, or nothing for fp32.
+struct Rounder {
+  bool bf16;
+  float operator()(float v) const { return bf16 ? detail::bf16_to_float(detail::float_to_bf16(v)) : v; }
+};
+
+float load(const TensorView& t, int64_t i) {
+  return t.dtype == DType::kBFloat16 ? detail::bf16_to_float(t.ptr<const uint16_t>()[i]) : t.ptr<const float>()[i];
+}
+
+void store(void* base, DType dtype, int64_t i, float v) {
+  if (dtype == DType::kBFloat16) static_cast<uint16_t*>(base)[i] = detail::float_to_bf16(v);
+  else static_cast<float*>(base)[i] = v;
+}
+
+float silu(float g) { return g / (1.0f + std::exp(-g)); }
+float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
+
+// transformers' RMSNorm over n values: normalise in fp32, round to the model dtype, then scale.
+void rms_norm(const float* x, int64_t n, const TensorView& w, int64_t w_offset, float eps, Rounder r, float* out) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = r(load(w, w_offset + i) * r(x[i] * inv));
+}
+
+void check_weight(const TensorView& t, const char* what, int64_t layer, DType dtype,
+                  std::initializer_list<int64_t> shape) {
+  const std::string arg = layer >= 0 ? "layers[" + std::to_string(layer) + "]." + what : std::string(what);
+  MOESPEC_CHECK_ARG(t.defined() && t.data != nullptr, arg, "is missing");
+  MOESPEC_CHECK_ARG(t.device == Device::kCPU, arg, "must be on the CPU, got ", t.describe());
+  MOESPEC_CHECK_ARG(t.dtype == dtype, arg, "expected the model dtype ", dtype_name(dtype), ", got ", t.describe());
+  MOESPEC_CHECK_ARG(t.ndim == static_cast<int32_t>(shape.size()), arg, "expected ", shape.size(), " dims, got ",
+                    t.describe());
+  int d = 0;
+  for (int64_t s : shape) {
+    MOESPEC_CHECK_ARG(t.shape[d] == s, arg, "dim ", d, " must be ", s, ", got ", t.describe());
+    ++d;
+  }
+  MOESPEC_CHECK_ARG(t.is_contiguous(), arg, "must be contiguous, got ", t.describe());
+}
+
+}  // namespace
+
+// Scratch of one step, grown to the largest step seen and reused (a warm step allocates nothing).
+struct DecoderModel::Workspace {
+  Buffer<float> x, h, y, q, o, mlp, inner, logits_f32, moe_w;
+  Buffer<char> act;        // staged activations (stage_values)
+  Buffer<uint16_t> bits;   // model-dtype copies for moe_experts / route_experts (bf16 models)
+  Buffer<uint16_t> bits_out;
+  Buffer<int32_t> ids;
+  Buffer<float> weights;
+  Buffer<int32_t> active, stats;
+  Buffer<int32_t> row_req;  // [P] request of each row
+};
+
+DecoderModel::DecoderModel(const DecoderShape& shape, std::vector<DecoderLayerViews> layers, TensorView final_norm,
+                           TensorView lm_head)
+    : shape_(shape), layers_(std::move(layers)), final_norm_(final_norm), lm_head_(lm_head),
+      ws_(std::make_unique<Workspace>()), phase_seconds_(kNumDecoderPhases, 0.0) {
+  const DecoderShape& s = shape_;
+  MOESPEC_CHECK_ARG(s.hidden >= 1 && s.num_heads >= 1 && s.num_kv_heads >= 1 && s.head_dim >= 2 && s.vocab >= 1,
+                    "shape", "hidden, heads, head_dim and vocab must be positive (head_dim >= 2), got H=", s.hidden,
+                    " Hq=", s.num_heads, " Hkv=", s.num_kv_heads, " D=", s.head_dim, " V=", s.vocab);
+  MOESPEC_CHECK_ARG(s.head_dim % 2 == 0 && s.head_dim <= kMaxHeadDim, "shape.head_dim",
+                    "rope needs an even head_dim of at most ", kMaxHeadDim, ", got ", s.head_dim);
+  MOESPEC_CHECK_ARG(s.num_heads % s.num_kv_heads == 0, "shape.num_heads", "must be a multiple of num_kv_heads=",
+                    s.num_kv_heads, ", got ", s.num_heads);
+  MOESPEC_CHECK_ARG(!layers_.empty(), "layers", "the model has no layers");
+  MOESPEC_CHECK_ARG(s.softmax_vector_width == 8 || s.softmax_vector_width == 16, "shape.softmax_vector_width",
+                    "expected 8 or 16, got ", s.softmax_vector_width);
+  dtype_ = lm_head_.dtype;
+  MOESPEC_CHECK_ARG(dtype_ == DType::kFloat32 || dtype_ == DType::kBFloat16, "lm_head",
+                    "the native step runs float32 and bfloat16 models, got ", lm_head_.describe());
+  const int64_t H = s.hidden, D = s.head_dim, Hq = s.num_heads, Hkv = s.num_kv_heads;
+  check_weight(lm_head_, "lm_head", -1, dtype_, {s.vocab, H});
+  check_weight(final_norm_, "final_norm", -1, dtype_, {H});
+  for (int64_t i = 0; i < num_layers(); ++i) {
+    const DecoderLayerViews& l = layers_[static_cast<std::size_t>(i)];
+    check_weight(l.input_norm, "input_norm", i, dtype_, {H});
+    check_weight(l.qkv, "qkv", i, dtype_, {(Hq + 2 * Hkv) * D, H});
+    if (l.qkv_bias.defined()) check_weight(l.qkv_bias, "qkv_bias", i, dtype_, {(Hq + 2 * Hkv) * D});
+    if (s.qk_norm == QkNorm::kPerHead) {
+      check_weight(l.q_norm, "q_norm", i, dtype_, {D});
+      check_weight(l.k_norm, "k_norm", i, dtype_, {D});
+    } else if (s.qk_norm == QkNorm::kFull) {
+      check_weight(l.q_norm, "q_norm", i, dtype_, {Hq * D});
+      check_weight(l.k_norm, "k_norm", i, dtype_, {Hkv * D});
+    }
+    check_weight(l.o, "o", i, dtype_, {H, Hq * D});
+    if (l.o_bias.defined()) check_weight(l.o_bias, "o_bias", i, dtype_, {H});
+    check_weight(l.post_norm, "post_norm", i, dtype_, {H});
+    if (l.router.defined()) {
+      const int64_t E = s.num_experts, I = s.expert_intermediate;
+      MOESPEC_CHECK_ARG(E >= 1 && E <= kMaxExperts && I >= 1, "shape.num_experts",
+                        "an MoE layer needs 1 <= E <= ", kMaxExperts, " and I >= 1, got E=", E, " I=", I);
+      MOESPEC_CHECK_ARG(s.router.top_k >= 1 && s.router.top_k <= E, "shape.router.top_k", "must be in [1, E=", E,
+                        "], got ", s.router.top_k);
+      check_weight(l.router, "router", i, dtype_, {E, H});
+      check_weight(l.experts, "experts", i, dtype_, {E, 3 * I * H});
+      if (l.shared_down.defined()) {
+        const int64_t Is = l.shared_down.shape[1];
+        check_weight(l.shared_gate_up, "shared_gate_up", i, dtype_, {2 * Is, H});
+        check_weight(l.shared_down, "shared_down", i, dtype_, {H, Is});
+        check_weight(l.shared_gate, "shared_gate", i, dtype_, {1, H});
+      }
+      ++num_moe_;
+    } else {
+      MOESPEC_CHECK_ARG(l.gate_up.defined() && l.gate_up.ndim == 2, "layers[" + std::to_string(i) + "].gate_up",
+                        "a dense layer needs gate_up [2 I, H]");
+      const int64_t I = l.gate_up.shape[0] / 2;
+      check_weight(l.gate_up, "gate_up", i, dtype_, {2 * I, H});
+      check_weight(l.down, "down", i, dtype_, {H, I});
+    }
+  }
+}
+
+DecoderModel::~DecoderModel() = default;
+
+namespace {
+
+// Everything a step's helpers share.
+struct Ctx {
+  const DecoderShape& s;
+  const MoeExpertKernels& k;
+  DType dtype;
+  Rounder r;
+  int64_t P;
+};
+
+// fp32 values [T, K] (row stride ld) -> the product's activation rows (bf16 bits or fp32).
+void stage_values(const Ctx& c, const float* x, int64_t ld, int64_t T, int64_t K, void* dst) {
+  const int64_t Kp = round_up(K, kMoeActPad);
+  const bool act_bf16 = c.dtype == DType::kBFloat16 && c.k.bf16_act == DType::kBFloat16;
+  for (int64_t t = 0; t < T; ++t) {
+    if (act_bf16) {
+      uint16_t* row = static_cast<uint16_t*>(dst) + t * Kp;
+      for (int64_t i = 0; i < K; ++i) row[i] = detail::float_to_bf16(x[t * ld + i]);
+      std::fill(row + K, row + Kp, uint16_t{0});
+    } else {
+      float* row = static_cast<float*>(dst) + t * Kp;
+      std::memcpy(row, x + t * ld, static_cast<std::size_t>(K) * 4);
+      std::fill(row + K, row + Kp, 0.0f);
+    }
+  }
+}
+
+// y [T, N] = round(x [T, K] w^T + bias), all fp32 values; act: scratch for the staged x.
+void project(const Ctx& c, const TensorView& w, const TensorView& bias, const float* x, int64_t T, char* act,
+             float* y) {
+  const int64_t N = w.shape[0], K = w.shape[1];
+  stage_values(c, x, K, T, K, act);
+  cpu::linear_staged(c.k, c.dtype, w.data, N, K, bias.defined() ? bias.data : nullptr, bias.dtype, act, T, y, N);
+  if (c.r.bf16)
+    for (int64_t i = 0; i < T * N; ++i) y[i] = c.r(y[i]);
+}
+
+// Rows of mask words and the request geometry of one step.
+struct Geometry {
+  const int32_t* offsets;  // [B + 1]
+  const int32_t* start;    // [B]
+  const uint32_t* mask;    // [P, W]
+  int64_t W, B, S_max;
+};
+
+// Attention of the tokens [t0, t1) of request b for kv head g (its G query heads): scores over
+// the visible slots with the NT product, softmax, the NN accumulation over v; o [P, Hq D] values.
+void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* v_layer, const float* q, float* o,
+            int64_t b, int64_t g, int64_t t0, int64_t t1) {
+  const DecoderShape& s = c.s;
+  const int64_t D = s.head_dim, Hq = s.num_heads, Hkv = s.num_kv_heads, G = Hq / Hkv;
+  const int64_t first = geo.offsets[b], start = geo.start[b];
+  const int64_t n_new = geo.offsets[b + 1] - first;
+  const int64_t S = start + n_new;  // slots [0, S) of this request: committed + its new tokens
+  const int64_t rows = (t1 - t0) * G;
+  const int64_t Dp = round_up(D, kMoeActPad);
+  const std::size_t w_size = dtype_size(c.dtype);
+  const std::size_t head_off = static_cast<std::size_t>((b * Hkv + g) * geo.S_max * D) * w_size;
+  const char* kb = static_cast<const char*>(k_layer) + head_off;
+  const char* vb = static_cast<const char*>(v_layer) + head_off;
+
+  thread_local Buffer<float> qv, scores, acc;
+  thread_local Buffer<char> act;
+  float* qrows = qv.get(rows * D);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t hg = 0; hg < G; ++hg)
+      std::memcpy(qrows + ((t - t0) * G + hg) * D, q + (first + t) * Hq * D + (g * G + hg) * D,
+                  static_cast<std::size_t>(D) * 4);
+  char* a = act.get(static_cast<int64_t>(static_cast<std::size_t>(rows * Dp) * 4));
+  stage_values(c, qrows, D, rows, D, a);
+  float* sc = scores.get(rows * S);
+  (c.dtype == DType::kBFloat16 ? c.k.matmul_bf16 : c.k.matmul_f32)(kb, D, S, a, Dp, nullptr, rows, D, sc, S);
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<float> inv_sum(static_cast<std::size_t>(rows));
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint32_t* bits = geo.mask + (first + t) * geo.W;
+    for (int64_t hg = 0; hg < G; ++hg) {
+      const int64_t n = (t - t0) * G + hg;
+      float* row = sc + n * S;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < S; ++j) {
+        const bool visible = j < start || ((bits[(j - start) >> 5] >> ((j - start) & 31)) & 1u);
+        row[j] = visible ? row[j] * scale : -std::numeric_limits<float>::infinity();
+        m = std::max(m, row[j]);
+      }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < S; ++j) {
+        const float e = row[j] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(row[j] - m);
+        row[j] = e;
+        sum += e;
+      }
+      inv_sum[static_cast<std::size_t>(n)] = 1.0f / sum;
+    }
+  }
+  float* out = acc.get(rows * D);
+  std::fill_n(out, rows * D, 0.0f);
+  (c.dtype == DType::kBFloat16 ? c.k.accumulate_bf16 : c.k.accumulate_f32)(vb, D, S, D, sc, S, rows, out, D);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t hg = 0; hg < G; ++hg) {
+      const int64_t n = (t - t0) * G + hg;
+      float* dst = o + (first + t) * Hq * D + (g * G + hg) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = c.r(out[n * D + d] * inv_sum[static_cast<std::size_t>(n)]);
+    }
+}
+
+constexpr int64_t kAttendChunk = 8;  // tokens per attention task
+
+// Adds the time since the last mark to one phase (when profiling).
+class PhaseClock {
+ public:
+  PhaseClock(bool on, std::vector<double>& seconds) : on_(on), seconds_(seconds), last_(now()) {}
+  void mark(int phase) {
+    if (!on_) return;
+    const auto t = now();
+    seconds_[static_cast<std::size_t>(phase)] += std::chrono::duration<double>(t - last_).count();
+    last_ = t;
+  }
+
+ private:
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+  bool on_;
+  std::vector<double>& seconds_;
+  std::chrono::steady_clock::time_point last_;
+};
+enum Phase { kNorm, kQkv, kRope, kAttend, kOProj, kRoute, kExperts, kShared, kDense, kHead };
+
+}  // namespace
+
+void DecoderModel::step(const DecoderStepArgs& a) {
+  const DecoderShape& s = shape_;
+  const int64_t H = s.hidden, D = s.head_dim, Hq = s.num_heads, Hkv = s.num_kv_heads, L = num_layers();
+  const int64_t Nq = Hq * D, Nkv = Hkv * D;
+  const std::string dt = dtype_name(dtype_);
+  // ---- validation (nothing is written before it passes) ----
+  check_not_null(a.x, "x");
+  check_ndim(a.x, "x", 2);
+  check_dim(a.x, "x", 1, H);
+  check_dtype(a.x, "x", {dtype_});
+  check_contiguous(a.x, "x");
+  check_device(a.x, "x", Device::kCPU);
+  const int64_t P = a.x.shape[0];
+  MOESPEC_CHECK_ARG(P >= 1 && P <= kMaxDecoderStepTokens, "x", "a step runs 1 to ", kMaxDecoderStepTokens,
+                    " tokens, got ", P);
+  for (auto [t, name] : {std::pair{&a.cos, "cos"}, std::pair{&a.sin, "sin"}}) {
+    check_not_null(*t, name);
+    check_ndim(*t, name, 2);
+    check_dim(*t, name, 0, P);
+    check_dim(*t, name, 1, D);
+    check_dtype(*t, name, {dtype_});
+    check_contiguous(*t, name);
+    check_device(*t, name, Device::kCPU);
+  }
+  check_not_null(a.offsets, "offsets");
+  check_ndim(a.offsets, "offsets", 1);
+  check_dtype(a.offsets, "offsets", {DType::kInt32});
+  check_contiguous(a.offsets, "offsets");
+  const int64_t B = a.offsets.shape[0] - 1;
+  MOESPEC_CHECK_ARG(B >= 1, "offsets", "expected [B + 1] with B >= 1, got ", a.offsets.describe());
+  for (auto [t, name] : {std::pair{&a.k_cache, "k_cache"}, std::pair{&a.v_cache, "v_cache"}}) {
+    check_not_null(*t, name);
+    check_ndim(*t, name, 5);
+    check_dim(*t, name, 0, L);
+    check_dim(*t, name, 1, B);
+    check_dim(*t, name, 2, Hkv);
+    check_dim(*t, name, 4, D);
+    check_dtype(*t, name, {dtype_});
+    check_contiguous(*t, name);
+    check_device(*t, name, Device::kCPU);
+  }
+  const int64_t S_max = a.k_cache.shape[3];
+  check_dim(a.v_cache, "v_cache", 3, S_max);
+  check_not_null(a.start, "start");
+  check_ndim(a.start, "start", 1);
+  check_dim(a.start, "start", 0, B);
+  check_dtype(a.start, "start", {DType::kInt32});
+  check_contiguous(a.start, "start");
+  check_not_null(a.mask, "mask");
+  check_ndim(a.mask, "mask", 2);
+  check_dim(a.mask, "mask", 0, P);
+  check_dtype(a.mask, "mask", {DType::kInt32});
+  check_contiguous(a.mask, "mask");
+  const int64_t W = a.mask.shape[1];
+  const int32_t* offsets = a.offsets.ptr<const int32_t>();
+  const int32_t* start = a.start.ptr<const int32_t>();
+  MOESPEC_CHECK_ARG(offsets[0] == 0 && offsets[B] == P, "offsets", "must run from 0 to P=", P, ", got ", offsets[0],
+                    " .. ", offsets[B]);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = offsets[b + 1] - offsets[b];
+    MOESPEC_CHECK_ARG(n >= 0, "offsets", "must be non-decreasing, got offsets[", b, "]=", offsets[b], " > offsets[",
+                      b + 1, "]=", offsets[b + 1]);
+    MOESPEC_CHECK_ARG(start[b] >= 0 && start[b] + n <= S_max, "start", "request ", b, " holds ", start[b],
+                      " tokens; ", n, " more exceed the cache's ", S_max, " slots");
+    MOESPEC_CHECK_ARG(n <= 32 * W, "mask", "request ", b, " has ", n, " new tokens but mask rows hold ", 32 * W,
+                      " bits");
+  }
+  int64_t n_taps = 0;
+  const int32_t* taps = nullptr;
+  if (a.taps.defined()) {
+    check_ndim(a.taps, "taps", 1);
+    check_dtype(a.taps, "taps", {DType::kInt32});
+    check_contiguous(a.taps, "taps");
+    n_taps = a.taps.shape[0];
+    taps = a.taps.ptr<const int32_t>();
+    for (int64_t i = 0; i < n_taps; ++i)
+      MOESPEC_CHECK_ARG(taps[i] >= 0 && taps[i] < L, "taps", "layer ", taps[i], " does not exist (", L, " layers)");
+    if (n_taps > 0) {
+      check_not_null(a.tap_out, "tap_out");
+      check_ndim(a.tap_out, "tap_out", 3);
+      check_dim(a.tap_out, "tap_out", 0, n_taps);
+      check_dim(a.tap_out, "tap_out", 1, P);
+      check_dim(a.tap_out, "tap_out", 2, H);
+      check_dtype(a.tap_out, "tap_out", {dtype_});
+      check_contiguous(a.tap_out, "tap_out");
+    }
+  }
+  check_not_null(a.logit_rows, "logit_rows");
+  check_ndim(a.logit_rows, "logit_rows", 1);
+  check_dtype(a.logit_rows, "logit_rows", {DType::kInt32});
+  check_contiguous(a.logit_rows, "logit_rows");
+  const int64_t R = a.logit_rows.shape[0];
+  const int32_t* logit_rows = a.logit_rows.ptr<const int32_t>();
+  for (int64_t i = 0; i < R; ++i)
+    MOESPEC_CHECK_ARG(logit_rows[i] >= 0 && logit_rows[i] < P, "logit_rows", "row ", logit_rows[i],
+                      " is outside [0, P=", P, ")");
+  check_not_null(a.logits, "logits");
+  check_ndim(a.logits, "logits", 2);
+  check_dim(a.logits, "logits", 0, R);
+  check_dim(a.logits, "logits", 1, s.vocab);
+  check_dtype(a.logits, "logits", {dtype_});
+  check_contiguous(a.logits, "logits");
+  if (num_moe_ > 0) {
+    check_not_null(a.stats, "stats");
+    check_ndim(a.stats, "stats", 2);
+    check_dim(a.stats, "stats", 0, num_moe_);
+    check_dim(a.stats, "stats", 1, kRoutingStatsSize);
+    check_dtype(a.stats, "stats", {DType::kInt32});
+    check_contiguous(a.stats, "stats");  // (route_experts checks the budget at the first MoE layer; only
+                                         // the new tokens' uncommitted slots are written by then)
+  }
+
+  // ---- the step ----
+  Workspace& ws = *ws_;
+  const Ctx c{s, moe_expert_kernels(active_cpu_isa()), dtype_, Rounder{dtype_ == DType::kBFloat16}, P};
+  const Rounder r = c.r;
+  int64_t widest = std::max({H, Nq + 2 * Nkv, s.num_experts});
+  int64_t widest_in = std::max(H, Nq);
+  for (const DecoderLayerViews& l : layers_) {
+    if (l.shared_down.defined()) {
+      widest = std::max(widest, 2 * l.shared_down.shape[1]);
+      widest_in = std::max(widest_in, l.shared_down.shape[1]);
+    }
+    if (l.down.defined()) {
+      widest = std::max(widest, 2 * l.down.shape[1]);
+      widest_in = std::max(widest_in, l.down.shape[1]);
+    }
+  }
+  float* x = ws.x.get(P * H);
+  float* h = ws.h.get(P * H);
+  float* y = ws.y.get(P * widest);
+  float* q = ws.q.get(P * Nq);
+  float* o = ws.o.get(P * Nq);
+  float* mlp = ws.mlp.get(P * H);
+  float* inner = ws.inner.get(P * widest_in);
+  char* act = ws.act.get(static_cast<int64_t>(staged_row_bytes(c.k, DType::kFloat32, widest_in)) * P);
+  for (int64_t i = 0; i < P * H; ++i) x[i] = load(a.x, i);
+  int32_t* row_req = ws.row_req.get(P);
+  for (int64_t b = 0; b < B; ++b)
+    for (int32_t p = offsets[b]; p < offsets[b + 1]; ++p) row_req[p] = static_cast<int32_t>(b);
+
+  const Geometry geo{offsets, start, reinterpret_cast<const uint32_t*>(a.mask.data), W, B, S_max};
+  const std::size_t w_size = dtype_size(dtype_);
+  const std::size_t layer_elems = static_cast<std::size_t>(B * Hkv * S_max * D);
+  ThreadPool& pool = ThreadPool::instance();
+  std::vector<std::array<int64_t, 4>> attend_tasks;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t t0 = 0; t0 < offsets[b + 1] - offsets[b]; t0 += kAttendChunk)
+        attend_tasks.push_back({b, g, t0, std::min<int64_t>(t0 + kAttendChunk, offsets[b + 1] - offsets[b])});
+
+  int64_t moe_index = 0;
+  PhaseClock clock(profiling_, phase_seconds_);
+  for (int64_t li = 0; li < L; ++li) {
+    const DecoderLayerViews& l = layers_[static_cast<std::size_t>(li)];
+    // attention
+    for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, l.input_norm, 0, s.rms_norm_eps, r, h + p * H);
+    clock.mark(kNorm);
+    const int64_t Nqkv = Nq + 2 * Nkv;
+    project(c, l.qkv, l.qkv_bias, h, P, act, y);
+    clock.mark(kQkv);
+    char* k_layer = static_cast<char*>(a.k_cache.data) + li * layer_elems * w_size;
+    char* v_layer = static_cast<char*>(a.v_cache.data) + li * layer_elems * w_size;
+    for (int64_t p = 0; p < P; ++p) {
+      float* qp = y + p * Nqkv;
+      float* kp = qp + Nq;
+      float* vp = kp + Nkv;
+      if (s.qk_norm == QkNorm::kFull) {
+        rms_norm(qp, Nq, l.q_norm, 0, s.rms_norm_eps, r, qp);
+        rms_norm(kp, Nkv, l.k_norm, 0, s.rms_norm_eps, r, kp);
+      }
+      if (s.clip_qkv > 0.0f)
+        for (int64_t i = 0; i < Nqkv; ++i) qp[i] = std::clamp(qp[i], -s.clip_qkv, s.clip_qkv);
+      if (s.qk_norm == QkNorm::kPerHead) {
+        for (int64_t hh = 0; hh < Hq; ++hh) rms_norm(qp + hh * D, D, l.q_norm, 0, s.rms_norm_eps, r, qp + hh * D);
+        for (int64_t hh = 0; hh < Hkv; ++hh) rms_norm(kp + hh * D, D, l.k_norm, 0, s.rms_norm_eps, r, kp + hh * D);
+      }
+      // rope: x * cos + rotate_half(x) * sin, each product and the sum rounded
+      const int64_t half = D / 2;
+      float rot[kMaxHeadDim];
+      auto rope = [&](float* v) {
+        for (int64_t d = 0; d < D; ++d) rot[d] = d < half ? -v[d + half] : v[d - half];
+        for (int64_t d = 0; d < D; ++d) {
+          const float cs = load(a.cos, p * D + d), sn = load(a.sin, p * D + d);
+          v[d] = r(r(v[d] * cs) + r(rot[d] * sn));
+        }
+      };
+      for (int64_t hh = 0; hh < Hq; ++hh) rope(qp + hh * D);
+      for (int64_t hh = 0; hh < Hkv; ++hh) rope(kp + hh * D);
+      std::memcpy(q + p * Nq, qp, static_cast<std::size_t>(Nq) * 4);
+      const int64_t b = row_req[p];
+      const int64_t slot = start[b] + (p - offsets[b]);
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const std::size_t at = static_cast<std::size_t>(((b * Hkv + g) * S_max + slot) * D);
+        for (int64_t d = 0; d < D; ++d) {
+          store(k_layer, dtype_, static_cast<int64_t>(at) + d, kp[g * D + d]);
+          store(v_layer, dtype_, static_cast<int64_t>(at) + d, vp[g * D + d]);
+        }
+      }
+    }
+    clock.mark(kRope);
+    pool.parallel_for(static_cast<int64_t>(attend_tasks.size()), [&](int64_t i) {
+      const auto& t = attend_tasks[static_cast<std::size_t>(i)];
+      attend(c, geo, k_layer, v_layer, q, o, t[0], t[1], t[2], t[3]);
+    });
+    clock.mark(kAttend);
+    project(c, l.o, l.o_bias, o, P, act, y);
+    clock.mark(kOProj);
+    for (int64_t i = 0; i < P * H; ++i) x[i] = r(x[i] + y[i]);
+
+    // feed-forward
+    for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, l.post_norm, 0, s.rms_norm_eps, r, h + p * H);
+    clock.mark(kNorm);
+    if (l.router.defined()) {
+      const int64_t E = s.num_experts, K = s.router.top_k;
+      project(c, l.router, TensorView{}, h, P, act, y);  // router logits [P, E]
+      uint16_t* bits = ws.bits.get(P * std::max(E, H) * 2);
+      RouteExpertsArgs ra;
+      if (dtype_ == DType::kBFloat16) {
+        for (int64_t i = 0; i < P * E; ++i) bits[i] = detail::float_to_bf16(y[i]);
+        ra.router_logits = TensorView::contiguous(bits, DType::kBFloat16, {P, E});
+      } else {
+        ra.router_logits = TensorView::contiguous(y, DType::kFloat32, {P, E});
+      }
+      int32_t* ids = ws.ids.get(P * K);
+      float* weights = ws.weights.get(P * K);
+      ra.ids = TensorView::contiguous(ids, DType::kInt32, {P, K});
+      ra.weights = TensorView::contiguous(weights, DType::kFloat32, {P, K});
+      ra.active = TensorView::contiguous(ws.active.get(E), DType::kInt32, {E});
+      ra.stats = TensorView::contiguous(a.stats.ptr<int32_t>() + moe_index * kRoutingStatsSize, DType::kInt32,
+                                        {kRoutingStatsSize});
+      ra.spec = s.router;
+      ra.budget = a.budget;
+      ra.softmax_vector_width = s.softmax_vector_width;
+      cpu::route_experts(ra);
+      if (s.weights_in_model_dtype)
+        for (int64_t i = 0; i < P * K; ++i) weights[i] = r(weights[i]);
+      clock.mark(kRoute);
+      MoeExpertsArgs ma;
+      void* hx = h;
+      void* out = mlp;
+      uint16_t* out_bits = ws.bits_out.get(P * H);
+      if (dtype_ == DType::kBFloat16) {
+        for (int64_t i = 0; i < P * H; ++i) bits[i] = detail::float_to_bf16(h[i]);
+        hx = bits;
+        out = out_bits;
+      }
+      ma.x = TensorView::contiguous(hx, dtype_, {P, H});
+      ma.ids = ra.ids;
+      ma.weights = ra.weights;
+      ma.experts = l.experts;
+      ma.out = TensorView::contiguous(out, dtype_, {P, H});
+      ma.intermediate_size = s.expert_intermediate;
+      cpu::moe_experts(ma);
+      if (dtype_ == DType::kBFloat16)
+        for (int64_t i = 0; i < P * H; ++i) mlp[i] = detail::bf16_to_float(out_bits[i]);
+      clock.mark(kExperts);
+      if (l.shared_down.defined()) {
+        const int64_t Is = l.shared_down.shape[1];
+        project(c, l.shared_gate_up, TensorView{}, h, P, act, y);  // [P, 2 Is]
+        for (int64_t p = 0; p < P; ++p)
+          for (int64_t j = 0; j < Is; ++j)
+            inner[p * Is + j] = r(r(silu(y[p * 2 * Is + j])) * y[p * 2 * Is + Is + j]);
+        float* gate = ws.logits_f32.get(P);
+        project(c, l.shared_gate, TensorView{}, h, P, act, gate);  // [P, 1]
+        project(c, l.shared_down, TensorView{}, inner, P, act, y);  // [P, H]
+        for (int64_t p = 0; p < P; ++p) {
+          const float sg = r(sigmoid(gate[p]));
+          for (int64_t j = 0; j < H; ++j) mlp[p * H + j] = r(mlp[p * H + j] + r(sg * y[p * H + j]));
+        }
+        clock.mark(kShared);
+      }
+      ++moe_index;
+    } else {
+      const int64_t I = l.down.shape[1];
+      project(c, l.gate_up, TensorView{}, h, P, act, y);  // [P, 2 I]
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t j = 0; j < I; ++j) inner[p * I + j] = r(r(silu(y[p * 2 * I + j])) * y[p * 2 * I + I + j]);
+      project(c, l.down, TensorView{}, inner, P, act, mlp);
+      clock.mark(kDense);
+    }
+    for (int64_t i = 0; i < P * H; ++i) x[i] = r(x[i] + mlp[i]);
+    for (int64_t t = 0; t < n_taps; ++t)
+      if (taps[t] == li)
+        for (int64_t i = 0; i < P * H; ++i) store(a.tap_out.data, dtype_, t * P * H + i, x[i]);
+    clock.mark(kNorm);
+  }
+  for (int64_t i = 0; i < P * H; ++i) store(a.x.data, dtype_, i, x[i]);
+
+  // logits of the chosen rows
+  for (int64_t i = 0; i < R; ++i) rms_norm(x + logit_rows[i] * H, H, final_norm_, 0, s.rms_norm_eps, r, h + i * H);
+  float* logits = ws.logits_f32.get(R * s.vocab);
+  if (R > 0) {
+    project(c, lm_head_, TensorView{}, h, R, act, logits);
+    for (int64_t i = 0; i < R * s.vocab; ++i) store(a.logits.data, dtype_, i, logits[i]);
+  }
+  clock.mark(kHead);
+}
+
+}  // namespace moespec

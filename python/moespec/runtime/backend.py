@@ -1,0 +1,291 @@
+"""The runtime's backends: how a :class:`moespec.models.TargetModel` runs a forward call.
+
+One backend is chosen once, when the model is made (``TargetModel(..., backend=...)``, or the
+environment variable MOESPEC_BACKEND; DESIGN.md "The next phase": one backend chosen once):
+
+- ``"native"`` (default on the CPU for float32 and bfloat16 models): decode and verify calls, and
+  prefills of up to ``NATIVE_MAX_TOKENS`` tokens, run every decoder layer in one native call
+  (:class:`moespec._native.DecoderModel`, cpp/src/decoder_step.cc): no per-op dispatch, weights
+  streamed once per step, batch-invariant results (a verify pass gives a node the bits decoding it
+  would). Longer prefills are compute-bound and go through the reference (torch's GEMMs).
+- ``"reference"``: the forward written in torch ops (:class:`ReferenceBackend`), the numerical
+  reference the native step is tested against; with ``moe_impl="reference"`` its bf16 prefill is
+  bit-identical to transformers.
+
+A backend's ``forward(cache, seqs, parents, budget, last_only)`` runs new tokens ``seqs[b]`` of
+request b at slots ``cache.lengths[b] + j`` (a tree when ``parents`` is given) and returns a
+:class:`ForwardOutput`; it neither validates (the model did) nor advances the cache.
+
+Dimensions: B requests, T new tokens (padded), P packed tokens, S attended slots, L layers, H
+hidden, Hq/Hkv query and key/value heads, D head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+from moespec._loader import native
+from moespec._tensor import view
+from moespec.models.cache import KVCache
+from moespec.models.moe import moe_forward
+from moespec.ops import ExpertBudget, RoutingStats
+from moespec.ops.routing import _FAMILY_CODES, _POLICY_CODES, softmax_vector_width
+from moespec.runtime.state import RopeTable, step_geometry
+
+if TYPE_CHECKING:
+    from moespec.models.runtime import TargetModel
+
+BACKENDS = ("native", "reference")
+NATIVE_MAX_TOKENS = 64  # packed tokens per call the native backend runs; longer prefills: reference
+
+
+@dataclass
+class ForwardOutput:
+    """What one call of prefill / decode / verify returns."""
+
+    logits: torch.Tensor  # decode and prefill(logits="last"): [B, V]; prefill("all") and verify: [B, T, V]
+    hidden: tuple[torch.Tensor, ...]  # per tap layer: the residual stream after it, [B, T, H]
+    expert_stats: torch.Tensor  # int32 [MoE layers, 4]: natural unique, kept, re-routed, dropped
+    num_tokens: list[int]  # [B] new tokens per request (T = max)
+
+    def expert_stats_by_layer(self) -> list[RoutingStats]:
+        return [RoutingStats(*row) for row in self.expert_stats.tolist()]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32, cast back, then scale."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def make_backend(model: "TargetModel", name: Optional[str] = None):
+    """The backend ``name`` ("native", "reference"; default MOESPEC_BACKEND, else "native") for
+    ``model``; "native" falls back to the reference where it cannot run (a dtype other than float32
+    and bfloat16, weights off the CPU, ``moe_impl="reference"``)."""
+    name = name or os.environ.get("MOESPEC_BACKEND") or "native"
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
+    reference = ReferenceBackend(model)
+    if name == "reference" or not NativeBackend.supports(model):
+        return reference
+    return NativeBackend(model, reference)
+
+
+# ---- reference ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Batch:
+    """The padded inputs of one reference forward call."""
+
+    tokens: torch.Tensor  # long [B, T]
+    num: list[int]  # [B]
+    starts: list[int]  # [B] committed tokens before this call
+    positions: torch.Tensor  # long [B, T]
+    visible: torch.Tensor  # bool [B, T, S]
+    valid: torch.Tensor  # bool [B, T]
+    rows: torch.Tensor  # long [P]: request of each valid token
+    cols: torch.Tensor  # long [P]: its index among the request's new tokens
+    slots: torch.Tensor  # long [P]: its cache slot
+
+
+class ReferenceBackend:
+    """The forward pass in torch ops, padded batches (the numerical reference)."""
+
+    name = "reference"
+
+    def __init__(self, model: "TargetModel"):
+        self.model = model
+
+    def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
+                budget: Optional[ExpertBudget], last_only: bool) -> ForwardOutput:
+        return self._forward(cache, self._batch(cache, seqs, parents), budget, last_only)
+
+    def _batch(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]]) -> _Batch:
+        B, T = len(seqs), max(len(s) for s in seqs)
+        num = [len(s) for s in seqs]
+        starts = list(cache.lengths)
+        tokens = torch.tensor([s + [0] * (T - len(s)) for s in seqs])  # [B, T]
+        start, count = torch.tensor(starts), torch.tensor(num)
+        index = torch.arange(T)
+        valid = index[None, :] < count[:, None]  # [B, T]
+        S = max(s + n for s, n in zip(starts, num))
+        slot = torch.arange(S)
+        prefix = slot[None, :] < start[:, None]  # [B, S]
+        rel = slot[None, :] - start[:, None]  # [B, S]: index among the new tokens
+        in_new = (rel >= 0) & (rel < count[:, None])  # [B, S]
+        if parents is None:  # sequences: causal among the new tokens
+            depth = index.expand(B, T)
+            new_vis = in_new[:, None, :] & (rel[:, None, :] <= index[None, :, None])  # [B, T, S]
+        else:  # trees: ancestor-or-self rows, each built from its parent's row
+            depth = torch.zeros(B, T, dtype=torch.long)
+            relation = torch.zeros(B, T, T, dtype=torch.bool)  # [b, i, j]: node i sees node j
+            for b, ps in enumerate(parents):
+                for i, p in enumerate(ps):
+                    if i:
+                        relation[b, i] = relation[b, p]
+                        depth[b, i] = depth[b, p] + 1
+                    relation[b, i, i] = True
+            new_vis = torch.gather(relation, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S)) & in_new[:, None, :]
+        visible = prefix[:, None, :] | new_vis  # [B, T, S]
+        visible[:, :, 0] |= ~valid  # padded queries look at one slot (their output is discarded)
+        rows, cols = valid.nonzero(as_tuple=True)
+        return _Batch(tokens=tokens, num=num, starts=starts, positions=start[:, None] + depth, visible=visible,
+                      valid=valid, rows=rows, cols=cols, slots=start[rows] + cols)
+
+    def _forward(self, cache: KVCache, batch: _Batch, budget: Optional[ExpertBudget], last_only: bool) -> ForwardOutput:
+        model = self.model
+        c, w = model.config, model.weights
+        B, T = batch.tokens.shape
+        S = batch.visible.shape[-1]
+        freqs = batch.positions[..., None].float() * model.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(model.dtype)[:, None], emb.sin().to(model.dtype)[:, None]  # [B, 1, T, D]
+        mask = batch.visible[:, None]  # [B, 1, T, S]
+        x = F.embedding(batch.tokens, w.embed)  # [B, T, H]
+        tapped, stats = {}, []
+        for i, layer in enumerate(w.layers):
+            x = x + self._attention(i, layer, rms_norm(x, layer.input_norm, c.rms_norm_eps), cos, sin, mask, cache,
+                                    batch, S)
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            if c.is_moe_layer(i):
+                y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, budget,  # valid tokens only
+                                             model.moe_impl)
+                mlp = torch.zeros_like(h)
+                mlp[batch.rows, batch.cols] = y
+                stats.append(layer_stats)
+            else:
+                gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+                mlp = F.linear(F.silu(gate) * up, layer.down)
+            x = x + mlp
+            if i in model.taps:
+                tapped[i] = x
+        if last_only:
+            last = torch.tensor([max(n - 1, 0) for n in batch.num])
+            x = x[torch.arange(B), last]  # [B, H]
+        logits = F.linear(rms_norm(x, w.final_norm, c.rms_norm_eps), w.lm_head)
+        if last_only:
+            logits = logits * batch.valid.any(dim=1, keepdim=True)  # zeros for requests without new tokens
+        expert_stats = torch.stack(stats) if stats else torch.zeros(0, 4, dtype=torch.int32)
+        return ForwardOutput(logits=logits, hidden=tuple(tapped[t] for t in model.taps), expert_stats=expert_stats,
+                             num_tokens=list(batch.num))
+
+    def _attention(self, index: int, layer, h: torch.Tensor, cos, sin, mask, cache: KVCache, batch: _Batch,
+                   S: int) -> torch.Tensor:
+        c = self.model.config
+        B, T, _ = h.shape
+        D, Hq, Hkv = c.head_dim, c.num_heads, c.num_kv_heads
+        q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        if c.qk_norm == "full":
+            q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q, k, v = q.view(B, T, Hq, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        if c.qk_norm == "per_head":
+            q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        q = rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+        k = rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        k_cache, v_cache = cache.k[index], cache.v[index]  # [B, Hkv, S_max, D]
+        k_cache[batch.rows, :, batch.slots] = k[batch.rows, :, batch.cols]
+        v_cache[batch.rows, :, batch.slots] = v.transpose(1, 2)[batch.rows, :, batch.cols]
+        o = F.scaled_dot_product_attention(q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask,
+                                           scale=D**-0.5, enable_gqa=Hq != Hkv)  # [B, Hq, T, D]
+        return F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), layer.o, layer.o_bias)
+
+
+# ---- native -------------------------------------------------------------------------------------
+
+_QK_NORM_CODES = {"none": 0, "per_head": 1, "full": 2}
+_LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up", "down",
+                 "router", "experts", "shared_gate_up", "shared_down", "shared_gate")
+
+
+class NativeBackend:
+    """Decode and verify steps (and short prefills) in one native call; see the module docstring."""
+
+    name = "native"
+
+    @staticmethod
+    def supports(model: "TargetModel") -> bool:
+        w = model.weights
+        moe = model.config.moe
+        return (model.dtype in (torch.float32, torch.bfloat16) and w.lm_head.device.type == "cpu"
+                and model.moe_impl == "kernel" and (moe is None or moe.router.family == "softmax"))
+
+    def __init__(self, model: "TargetModel", reference: ReferenceBackend):
+        self.model, self.reference = model, reference
+        c, w = model.config, model.weights
+        moe = c.moe
+        layers = []
+        for layer in w.layers:
+            layers.append({f: view(getattr(layer, f), f) for f in _LAYER_FIELDS if getattr(layer, f) is not None})
+        self.decoder = native().DecoderModel(
+            hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            vocab=c.vocab_size, eps=float(c.rms_norm_eps), qk_norm=_QK_NORM_CODES[c.qk_norm],
+            clip_qkv=float(c.clip_qkv or 0.0), num_experts=moe.num_experts if moe else 0,
+            expert_intermediate=moe.intermediate_size if moe else 0,
+            family=_FAMILY_CODES[moe.router.family] if moe else 0, top_k=moe.top_k if moe else 1,
+            renormalize=bool(moe.router.renormalize) if moe else False,
+            weights_in_model_dtype=bool(moe.weights_in_model_dtype) if moe else False,
+            softmax_vector_width=softmax_vector_width(), layers=layers, final_norm=view(w.final_norm, "final_norm"),
+            lm_head=view(w.lm_head, "lm_head"))
+        self.rope = RopeTable(model.inv_freq, model.dtype, min(c.max_position_embeddings, 4096))
+        self._num_moe = len(c.moe_layers)
+
+    def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
+                budget: Optional[ExpertBudget], last_only: bool) -> ForwardOutput:
+        num = [len(s) for s in seqs]
+        P = sum(num)
+        if P > NATIVE_MAX_TOKENS:
+            return self.reference.forward(cache, seqs, parents, budget, last_only)
+        model, c = self.model, self.model.config
+        geo = step_geometry(seqs, cache.lengths, parents)
+        x = model.weights.embed.index_select(0, torch.tensor(geo.tokens))  # [P, H]
+        cos, sin = self.rope.lookup(torch.tensor(geo.positions))  # [P, D] each
+        offsets = torch.tensor(geo.offsets, dtype=torch.int32)  # [B + 1]
+        start = torch.tensor(cache.lengths, dtype=torch.int32)  # [B]
+        mask = torch.tensor(geo.mask, dtype=torch.int32)  # [P, W]
+        rows = [geo.offsets[b + 1] - 1 for b in range(len(seqs)) if num[b]] if last_only else list(range(P))
+        logit_rows = torch.tensor(rows, dtype=torch.int32)  # [R]
+        logits = torch.empty(len(rows), c.vocab_size, dtype=model.dtype)  # [R, V]
+        taps = torch.tensor(model.taps, dtype=torch.int32)  # [NT]
+        tap_out = torch.empty(len(model.taps), P, c.hidden_size, dtype=model.dtype)  # [NT, P, H]
+        stats = torch.empty(self._num_moe, 4, dtype=torch.int32)  # [Lm, 4]
+        self.decoder.step(
+            view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k, "k_cache"), view(cache.v, "v_cache"),
+            view(offsets, "offsets"), view(start, "start"), view(mask, "mask"), view(taps, "taps"),
+            view(tap_out, "tap_out"), view(logit_rows, "logit_rows"), view(logits, "logits"), view(stats, "stats"),
+            budget.max_experts if budget else 0, _POLICY_CODES[budget.policy] if budget else 0,
+            float(budget.coverage) if budget and budget.coverage is not None else 0.0)
+        B = len(seqs)
+        if last_only:
+            if len(rows) < B:  # zeros for requests without new tokens
+                full = logits.new_zeros(B, c.vocab_size)
+                full[torch.tensor([b for b in range(B) if num[b]])] = logits
+                logits = full
+        else:
+            logits = _pad(logits, geo.offsets, num)
+        hidden = tuple(_pad(tap_out[i], geo.offsets, num) for i in range(len(model.taps)))
+        return ForwardOutput(logits=logits, hidden=hidden, expert_stats=stats, num_tokens=num)
+
+
+def _pad(packed: torch.Tensor, offsets: list[int], num: list[int]) -> torch.Tensor:
+    """Packed rows [P, X] -> [B, T, X] padded with zeros (a view when B = 1)."""
+    B, T = len(num), max(num)
+    if B == 1:
+        return packed.unsqueeze(0)
+    out = packed.new_zeros(B, T, packed.shape[-1])
+    for b in range(B):
+        out[b, : num[b]] = packed[offsets[b] : offsets[b + 1]]
+    return out

@@ -1,0 +1,84 @@
+"""Step state of the native backend: rope tables sized once, and the packed geometry of one step.
+
+A step's tokens are packed request by request (no padding; DESIGN.md "The next phase": step state
+allocated once, written by index). :func:`step_geometry` turns the request lists of a prefill,
+decode or verify call into what the native decoder step reads (cpp/include/moespec/decoder_step.h):
+row offsets per request, each token's rope position, and its attention mask over the request's new
+tokens as bit-packed int32 words, the draft tree contract's ``mask_words`` (causal rows for
+sequences, ancestor-or-self rows for trees).
+
+Dimensions: P packed tokens, B requests, D head dim, W mask words per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass
+class StepGeometry:
+    tokens: list[int]  # [P] packed token ids
+    offsets: list[int]  # [B + 1] rows of request b: [offsets[b], offsets[b + 1])
+    positions: list[int]  # [P] rope positions: start + index (sequences) or start + depth (trees)
+    mask: list[list[int]]  # [P][W] int32 mask words over the request's new tokens
+    words: int  # W
+
+
+def _words(bits: int, W: int) -> list[int]:
+    """A row's bits as W int32 words (bit j % 32 of word j // 32), two's complement."""
+    out = []
+    for _ in range(W):
+        w = bits & 0xFFFFFFFF
+        out.append(w - (1 << 32) if w >= 1 << 31 else w)
+        bits >>= 32
+    return out
+
+
+def step_geometry(seqs: Sequence[Sequence[int]], starts: Sequence[int],
+                  parents: Optional[Sequence[Sequence[int]]]) -> StepGeometry:
+    """The packed geometry of one call: ``seqs[b]`` new tokens of request b after ``starts[b]``
+    committed ones; ``parents`` (trees) as :meth:`TargetModel.verify` takes them, or None (sequences)."""
+    W = max(1, (max(len(s) for s in seqs) + 31) // 32)
+    tokens, offsets, positions, mask = [], [0], [], []
+    for b, seq in enumerate(seqs):
+        tokens.extend(seq)
+        offsets.append(offsets[-1] + len(seq))
+        start = starts[b]
+        if parents is None:
+            for j in range(len(seq)):
+                positions.append(start + j)
+                mask.append(_words((1 << (j + 1)) - 1, W))
+        else:
+            rows, depth = [], []
+            for i, p in enumerate(parents[b]):
+                rows.append((rows[p] if i else 0) | (1 << i))
+                depth.append(depth[p] + 1 if i else 0)
+            positions.extend(start + d for d in depth)
+            mask.extend(_words(r, W) for r in rows)
+    return StepGeometry(tokens, offsets, positions, mask, W)
+
+
+class RopeTable:
+    """cos and sin of every rope position up to a length, in the model dtype, computed once (and
+    again, twice as long, when a longer position comes) with the reference's own ops, so a row is
+    bit-identical to what the reference forward computes for that position."""
+
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype, length: int = 4096):
+        self.inv_freq, self.dtype = inv_freq, dtype
+        self.cos = self.sin = torch.empty(0)
+        self._build(length)
+
+    def _build(self, length: int) -> None:
+        freqs = torch.arange(length)[:, None].float() * self.inv_freq  # [S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [P, D] of long positions [P]."""
+        top = int(positions.max()) + 1
+        if top > self.cos.shape[0]:
+            self._build(max(top, 2 * self.cos.shape[0]))
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)

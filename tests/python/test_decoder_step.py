@@ -1,0 +1,248 @@
+"""The native backend (one native call per step: cpp/src/decoder_step.cc) against the reference
+backend (the torch forward, itself tested against transformers in test_models_runtime.py), on
+every family's tiny random checkpoint.
+
+- fp32: prefill, decode, tree verify and commit agree within 1e-5 of the logit scale (measured:
+  about 1e-6; only summation orders differ);
+- bf16: both sides round every op's result to bf16 at the same points but sum in different orders,
+  so values land a bf16 rounding step apart (typically 0.5-1% of the logit scale after a few
+  layers), and on these random models a near-tie in a router can flip one expert, which moves a
+  logit by several percent, on either side. So the test takes the fp32 model as the truth: native
+  bf16 is within 2x the reference bf16's error of it (+ 2% of the logit scale), and within 6e-2 of
+  the reference bf16 when both routed alike;
+- batch invariance, exactly: a verified tree node's logits are bit-identical to decoding its path
+  token by token, and a request's results do not depend on the other requests of its batch;
+- budgets: the same expert statistics as the reference; bad step arguments are ValueErrors.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import moespec.models as mm
+from moespec.models import KVCache, TargetModel
+from moespec.ops import ExpertBudget
+from moespec.runtime import NATIVE_MAX_TOKENS
+
+from models_fixtures import FAMILIES, MOE_FAMILIES, V, assert_close, write_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOL = {"fp32": 1e-5, "bf16": 6e-2}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {f: write_checkpoint(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def pairs(checkpoints):
+    """(native, reference) models sharing one set of weights, per (family, dtype)."""
+    out = {}
+    for family, path in checkpoints.items():
+        for dtype in ("fp32", "bf16"):
+            native = mm.load(path, dtype, taps=(0,))
+            assert native.backend_name == "native"
+            out[family, dtype] = native, TargetModel(native.config, native.weights, taps=(0,), backend="reference")
+    return out
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _copy(cache: KVCache) -> KVCache:
+    return KVCache(cache.k.clone(), cache.v.clone(), list(cache.lengths))
+
+
+def _steps(model: TargetModel, truth_tokens: list[int]) -> list[torch.Tensor]:
+    """Logits and tap 0 of: a prefill, 3 decode steps, a tree verify, a commit and a decode."""
+    cache = model.new_cache(1, 64)
+    out = model.prefill(cache, [_prompt(9, 1)], logits="all")
+    got = [out.logits[0], out.hidden[0][0]]
+    for token in truth_tokens:
+        got.append(model.decode(cache, [token]).logits[0])
+    tree, parents = [truth_tokens[-1] + 1, 5, 9, 17, 33, 65], [-1, 0, 0, 1, 1, 3]
+    out = model.verify(cache, [tree], [parents])
+    got += [out.logits[0], out.hidden[0][0], out.expert_stats]
+    model.commit(cache, [[0, 1, 3]])
+    got.append(model.decode(cache, [7]).logits[0])
+    return got
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_fp32_steps_match_the_reference(family, pairs):
+    native, ref = pairs[family, "fp32"]
+    tokens = [11, 12, 13]
+    for a, b in zip(_steps(native, tokens), _steps(ref, tokens)):
+        if a.is_floating_point():
+            assert_close(a, b, TOL["fp32"])
+        else:
+            assert torch.equal(a, b)  # expert stats
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_bf16_is_as_close_to_fp32_as_the_reference_bf16(family, pairs):
+    """Against the fp32 model as the truth: the native bf16 steps stay within 2x the reference bf16
+    steps' error + 2% of the logit scale, and within TOL["bf16"] of the reference bf16 itself, unless
+    the two routed some token differently (then only the first bound holds)."""
+    tokens = [11, 12, 13]
+    truth = _steps(pairs[family, "fp32"][1], tokens)
+    native, ref = (_steps(m, tokens) for m in pairs[family, "bf16"])
+    same_routing = torch.equal(native[6], ref[6])
+    for i, (t, a, b) in enumerate(zip(truth, native, ref)):
+        if not t.is_floating_point():
+            continue
+        assert _rel(a, t) <= 2 * _rel(b, t) + 0.02, f"step {i}: native {_rel(a, t):.3g}, reference {_rel(b, t):.3g}"
+        if same_routing:
+            assert _rel(a, b) <= TOL["bf16"], f"step {i}"
+
+
+def _random_tree(draw, size: int) -> list[int]:
+    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, size)]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_tree_node_gets_the_bits_of_decoding_its_path(pairs, data):
+    family = data.draw(st.sampled_from(FAMILIES))
+    dtype = data.draw(st.sampled_from(["fp32", "bf16"]))
+    native, _ = pairs[family, dtype]
+    size = data.draw(st.integers(1, 20))
+    parents = _random_tree(data.draw, size)
+    tree = [data.draw(st.integers(3, V - 1)) for _ in range(size)]
+    cache = native.new_cache(1, 64)
+    native.prefill(cache, [_prompt(data.draw(st.integers(1, 12)), 2)])
+    base = _copy(cache)
+    verified = native.verify(cache, [tree], [parents]).logits[0]  # [T, V]
+    cache.pending = None
+    for node in data.draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=3, unique=True)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        c = _copy(base)
+        for i in reversed(path):
+            logits = native.decode(c, [tree[i]]).logits[0]
+        assert torch.equal(logits, verified[node]), f"{family} {dtype}: node {node} (path {path[::-1]})"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_request_does_not_depend_on_its_batch(pairs, dtype):
+    native, _ = pairs["qwen2_moe", dtype]
+    prompts = [_prompt(5, 3), _prompt(11, 4), _prompt(2, 5)]
+    cache = native.new_cache(3, 64)
+    native.prefill(cache, prompts)
+    together = native.verify(cache, [[7, 8, 9], [10], []], [[-1, 0, 1], [-1], []])
+    for b, (tree, parents) in enumerate([([7, 8, 9], [-1, 0, 1]), ([10], [-1])]):
+        alone = native.new_cache(1, 64)
+        native.prefill(alone, [prompts[b]])
+        out = native.verify(alone, [tree], [parents])
+        assert torch.equal(out.logits[0], together.logits[b, : len(tree)])
+        assert torch.equal(out.hidden[0][0], together.hidden[0][b, : len(tree)])
+
+
+@pytest.mark.parametrize("policy", ["substitution", "truncation"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_budgeted_verify_matches_the_reference(family, policy, pairs):
+    native, ref = pairs[family, "fp32"]
+    E, K = native.config.moe.num_experts, native.config.moe.top_k
+    budget = ExpertBudget(max(K, E // 3), policy)
+    cn, cr = native.new_cache(2, 64), ref.new_cache(2, 64)
+    prompts = [_prompt(6, 6), _prompt(4, 7)]
+    native.prefill(cn, prompts)
+    ref.prefill(cr, prompts)
+    trees, parents = [[3, 4, 5, 6, 7], [8, 9, 10]], [[-1, 0, 0, 1, 2], [-1, 0, 1]]
+    a = native.verify(cn, trees, parents, budget=budget)
+    b = ref.verify(cr, trees, parents, budget=budget)
+    assert torch.equal(a.expert_stats, b.expert_stats)
+    assert (a.expert_stats[:, 1] <= budget.max_experts).all()
+    assert_close(a.logits[0, :5], b.logits[0, :5])
+    assert_close(a.logits[1, :3], b.logits[1, :3])
+
+
+def test_long_prefills_run_on_the_reference_and_decode_continues(pairs):
+    native, ref = pairs["qwen3_moe", "fp32"]
+    prompt = _prompt(NATIVE_MAX_TOKENS + 3, 8)
+    cn, cr = native.new_cache(1, 96), ref.new_cache(1, 96)
+    a, b = native.prefill(cn, [prompt]), ref.prefill(cr, [prompt])
+    assert torch.equal(a.logits, b.logits)  # the same torch ops
+    assert_close(native.decode(cn, [5]).logits, ref.decode(cr, [5]).logits)
+
+
+def test_profile_names_every_phase(pairs):
+    native, _ = pairs["qwen2_moe", "bf16"]
+    decoder = native.backend.decoder
+    cache = native.new_cache(1, 32)
+    native.prefill(cache, [_prompt(4, 9)])
+    decoder.set_profiling(True)
+    decoder.reset_profile()
+    try:
+        native.decode(cache, [3])
+        phases = decoder.profile()
+    finally:
+        decoder.set_profiling(False)
+    assert set(phases) >= {"qkv", "attention", "routed experts", "shared expert", "final norm+lm_head"}
+    assert phases["routed experts"] > 0 and phases["attention"] > 0 and phases["dense mlp"] == 0
+
+
+def test_backend_choice(checkpoints, monkeypatch):
+    path = checkpoints["mixtral"]
+    assert mm.load(path, "fp32").backend_name == "native"
+    assert mm.load(path, "fp32", moe_impl="reference").backend_name == "reference"  # transformers' rounding
+    monkeypatch.setenv("MOESPEC_BACKEND", "reference")
+    model = mm.load(path, "fp32")
+    assert model.backend_name == "reference"
+    model.backend_name = "native"
+    assert model.backend_name == "native"
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        model.backend_name = "gpu"
+    monkeypatch.setenv("MOESPEC_BACKEND", "fast")
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        mm.load(path, "fp32")
+
+
+def test_bad_step_arguments_are_value_errors(pairs):
+    from moespec._tensor import view
+
+    native, _ = pairs["qwen3_moe", "fp32"]
+    c = native.config
+    decoder = native.backend.decoder
+    cache = native.new_cache(1, 8)
+    P, H, D = 2, c.hidden_size, c.head_dim
+
+    alive = []  # the tensors of the descriptors, alive until the test ends
+
+    def args(**edit):
+        a = dict(x=torch.zeros(P, H), cos=torch.ones(P, D), sin=torch.zeros(P, D), k_cache=cache.k, v_cache=cache.v,
+                 offsets=torch.tensor([0, P], dtype=torch.int32), start=torch.tensor([0], dtype=torch.int32),
+                 mask=torch.tensor([[1], [3]], dtype=torch.int32), taps=None, tap_out=None,
+                 logit_rows=torch.tensor([1], dtype=torch.int32), logits=torch.empty(1, c.vocab_size),
+                 stats=torch.empty(len(c.moe_layers), 4, dtype=torch.int32))
+        a.update(edit)
+        alive.append(a)
+        return [view(v, k) for k, v in a.items()] + [0, 0, 0.0]
+
+    decoder.step(*args())  # a valid call runs
+    for edit, match in [
+        (dict(x=torch.zeros(P, H + 1)), "x"),
+        (dict(x=torch.zeros(P, H).bfloat16()), "x"),
+        (dict(cos=torch.ones(P, D + 2)), "cos"),
+        (dict(offsets=torch.tensor([0, P + 1], dtype=torch.int32)), "offsets"),
+        (dict(start=torch.tensor([7], dtype=torch.int32)), "start"),  # 7 + 2 > 8 slots
+        (dict(logit_rows=torch.tensor([2], dtype=torch.int32)), "logit_rows"),
+        (dict(stats=torch.empty(1, 3, dtype=torch.int32)), "stats"),
+        (dict(k_cache=torch.zeros(1, 1, 1, 8, D)), "k_cache"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            decoder.step(*args(**edit))
+    with pytest.raises(ValueError, match="budget.max_experts"):
+        decoder.step(*args()[:-3], c.moe.top_k - 1, 0, 0.0)
