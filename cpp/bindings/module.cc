@@ -12,6 +12,7 @@
 #include <string>
 
 #include "moespec/cpu_isa.h"
+#include "moespec/decoder_step.h"
 #include "moespec/error.h"
 #include "moespec/linear.h"
 #include "moespec/moe_experts.h"
@@ -133,6 +134,8 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "set_cpu_isa", [](const std::string& name) { set_active_cpu_isa(isa_from_name(name)); },
       "Forces the CPU ISA (scalar, avx2, avx512) for this process.", py::arg("name"));
+  m.def("cpu_has_avx512_bf16", &cpu_has_avx512_bf16,
+        "Whether the CPU has AVX512_BF16 (bf16 dot products: torch's bf16 GEMMs run at speed only there).");
   m.def(
       "supported_cpu_isas",
       [] {
@@ -162,4 +165,5 @@ PYBIND11_MODULE(_native, m) {
   bind_decoder_step(m);
   m.attr("kMaxExperts") = kMaxExperts;
   m.attr("kMaxTopK") = kMaxTopK;
+  m.attr("kMaxDecoderStepTokens") = kMaxDecoderStepTokens;
 }

@@ -25,7 +25,6 @@ from hypothesis import HealthCheck, given, settings
 import moespec.models as mm
 from moespec.models import KVCache, TargetModel
 from moespec.ops import ExpertBudget
-from moespec.runtime import NATIVE_MAX_TOKENS
 
 from models_fixtures import FAMILIES, MOE_FAMILIES, V, assert_close, write_checkpoint
 
@@ -169,13 +168,17 @@ def test_budgeted_verify_matches_the_reference(family, policy, pairs):
     assert_close(a.logits[1, :3], b.logits[1, :3])
 
 
-def test_long_prefills_run_on_the_reference_and_decode_continues(pairs):
+def test_long_prefills_and_calls_above_the_native_limit(pairs, monkeypatch):
+    import moespec.runtime.backend as backend
+
     native, ref = pairs["qwen3_moe", "fp32"]
-    prompt = _prompt(NATIVE_MAX_TOKENS + 3, 8)
-    cn, cr = native.new_cache(1, 96), ref.new_cache(1, 96)
-    a, b = native.prefill(cn, [prompt]), ref.prefill(cr, [prompt])
-    assert torch.equal(a.logits, b.logits)  # the same torch ops
+    prompt = _prompt(150, 8)  # natively: several mask words per row
+    cn, cr = native.new_cache(1, 200), ref.new_cache(1, 200)
+    assert_close(native.prefill(cn, [prompt], logits="all").logits, ref.prefill(cr, [prompt], logits="all").logits)
     assert_close(native.decode(cn, [5]).logits, ref.decode(cr, [5]).logits)
+    monkeypatch.setattr(backend, "NATIVE_MAX_TOKENS", 16)  # larger calls: the reference's torch ops
+    cn, cr = native.new_cache(1, 40), ref.new_cache(1, 40)
+    assert torch.equal(native.prefill(cn, [prompt[:20]]).logits, ref.prefill(cr, [prompt[:20]]).logits)
 
 
 def test_profile_names_every_phase(pairs):

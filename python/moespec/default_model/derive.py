@@ -60,6 +60,7 @@ from tqdm import tqdm
 
 from moespec.data.pinned import pip_download, sha256_file, verified
 from moespec.default_model.corpus import Corpus, prompt_set_texts, sample_windows
+from moespec.ops.linear import cpu_bf16_is_fast
 
 THREADS = 2  # intra-op threads for every stage: fixed, so the result is reproducible across machines
 
@@ -178,7 +179,9 @@ class DeriveSettings:
     distill_steps: int = 60
     distill_batch: int = 4  # windows per step
     distill_lr: float = 3e-4
-    distill_bf16: bool = True  # bf16 autocast for both forward passes (fp32 weights, optimizer and loss)
+    # bf16 autocast for both forward passes (fp32 weights, optimizer and loss) where the CPU has bf16
+    # dot products (moespec.ops.linear.cpu_bf16_is_fast); fp32 elsewhere, where bf16 GEMMs are ~50x slower
+    distill_bf16: bool = True
 
 
 # ---- one MoE feed-forward (the training form) -------------------------------------------------------
@@ -446,10 +449,11 @@ def distill(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, setti
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     student.train()
     losses = []
-    bar = tqdm(range(steps), desc="distill", disable=not progress)
+    bf16 = settings.distill_bf16 and cpu_bf16_is_fast()
+    bar = tqdm(range(steps), desc="distill" + (" (bf16 autocast)" if bf16 else " (fp32)"), disable=not progress)
     for step in bar:
         x = windows[step * batch : (step + 1) * batch]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.distill_bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             with torch.no_grad():
                 want = torch.log_softmax(teacher(x).logits.float(), dim=-1)  # [b, L, V]
             got = torch.log_softmax(student(x).logits.float(), dim=-1)

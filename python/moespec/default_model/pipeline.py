@@ -37,6 +37,7 @@ from typing import Any, Optional, Sequence
 
 from moespec.default_model.corpus import Corpus, prompt_set_texts
 from moespec.default_model.derive import SHAKESPEARE, DeriveSettings, build_default_moe, fetch_inputs, input_path
+from moespec.ops.linear import cpu_bf16_is_fast
 
 RECIPE_VERSION = 1  # bump when the construction changes in a way the settings do not show
 REPO = Path(__file__).resolve().parents[3]
@@ -55,7 +56,7 @@ class HeadSettings:
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 1e-3
-    amp: bool = True  # bf16 autocast for the head
+    amp: bool = True  # bf16 autocast for the head, where the CPU has bf16 dot products (else fp32)
     seed: int = 0
     chars_per_domain: int = 1_000_000  # plays and code each; the prompt sets' fitting split is taken whole
 
@@ -146,7 +147,7 @@ def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = 
     _log(f"training the EAGLE-3 head into {out} ({h.steps} steps)")
     result = train_draft(moe_dir, [corpus], out, steps=h.steps, ttt_steps=h.ttt_steps, draft_vocab_size=h.draft_vocab,
                          lr=h.lr, batch_size=h.batch_size, seq_len=h.seq_len, seed=h.seed, progress=progress,
-                         checkpoint_every=20, dtype="bf16", amp=h.amp)
+                         checkpoint_every=20, dtype="bf16", amp=h.amp and cpu_bf16_is_fast())
     (out / "train_log.json").write_text(json.dumps({"losses": result.losses, "accuracy": result.accuracy}) + "\n")
     return out
 

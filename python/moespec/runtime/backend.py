@@ -3,11 +3,12 @@
 One backend is chosen once, when the model is made (``TargetModel(..., backend=...)``, or the
 environment variable MOESPEC_BACKEND; DESIGN.md "The next phase": one backend chosen once):
 
-- ``"native"`` (default on the CPU for float32 and bfloat16 models): decode and verify calls, and
-  prefills of up to ``NATIVE_MAX_TOKENS`` tokens, run every decoder layer in one native call
+- ``"native"`` (default on the CPU for float32 and bfloat16 models): every call of up to
+  ``NATIVE_MAX_TOKENS`` tokens (prefill, decode, verify) runs every decoder layer in one native call
   (:class:`moespec._native.DecoderModel`, cpp/src/decoder_step.cc): no per-op dispatch, weights
   streamed once per step, batch-invariant results (a verify pass gives a node the bits decoding it
-  would). Longer prefills are compute-bound and go through the reference (torch's GEMMs).
+  would). Larger calls go through the reference. (Prefill is native too because torch's bf16 GEMM
+  is ~50x slower than its fp32 one on CPUs without AVX512_BF16: 1.2 GFLOP/s on a Zen 3 core.)
 - ``"reference"``: the forward written in torch ops (:class:`ReferenceBackend`), the numerical
   reference the native step is tested against; with ``moe_impl="reference"`` its bf16 prefill is
   bit-identical to transformers.
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from moespec.models.runtime import TargetModel
 
 BACKENDS = ("native", "reference")
-NATIVE_MAX_TOKENS = 64  # packed tokens per call the native backend runs; longer prefills: reference
+NATIVE_MAX_TOKENS = native().kMaxDecoderStepTokens  # packed tokens per native call; larger calls: reference
 
 
 @dataclass
