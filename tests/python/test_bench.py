@@ -404,3 +404,51 @@ def test_schema_rejects_a_broken_report(tiny):
     with pytest.raises(ValueError, match="request_info/num_requests"):
         validate(report, "report")
     assert math.isfinite(report["performance"]["system_output_throughput_tok_s"])
+
+
+# ---- moespec bench roofline ---------------------------------------------------------------------------
+
+
+def test_roofline_end_to_end(tiny, capsys):
+    from moespec.bench.roofline import VERIFY_SIZES, format_roofline, run_roofline, step_cost
+
+    result = run_roofline(str(tiny["engine"]), context=6, repeats=1, stream_gib=0.01, progress=False)
+    m_ = result["machine"]
+    assert m_["bandwidth_gbs"] > 0 and m_["peak_gflops"] > 0
+    names = [r["step"] for r in result["steps"]]
+    want = ["decode"] + [f"verify T={T}" for T in VERIFY_SIZES]
+    assert [n for n in names if "budget" not in n and "step (" not in n] == want
+    assert sum("budget 8" in n for n in names) == len(VERIFY_SIZES)  # N/2 of 16 experts
+    assert any(n.startswith("draft step") for n in names) and any(n.startswith("eagle3 step") for n in names)
+    for r in result["steps"]:
+        assert r["ms"] > 0
+        if r["mb"] is not None:
+            assert 0 < r["pct_roofline"] and r["roofline_ms"] > 0 and r["bound"] in ("memory", "compute")
+            assert 4 <= r["experts_per_layer"] <= 16  # top-4 of 16
+    budgeted = [r for r in result["steps"] if "budget" in r["step"]]
+    assert all(r["experts_per_layer"] <= 8 for r in budgeted)
+    splits = result["splits"]
+    assert splits["backend"] == "native" and list(splits["steps"]) == ["decode", "verify T=2", "verify T=17",
+                                                                       "verify T=33"]
+    for split in splits["steps"].values():
+        assert 0 <= split["host_share"] < 1 and split["native_ms"] <= split["step_ms"]
+        assert set(split["phases_ms"]) >= {"qkv", "attention"}
+    # bytes: dense weights once, plus the experts touched, plus the cache
+    target = tiny["opened"].target
+    one, two = step_cost(target, 1, 6, [4, 4]), step_cost(target, 1, 6, [8, 8])
+    c = target.config
+    assert two["bytes"] - one["bytes"] == 2 * 4 * 3 * c.moe.intermediate_size * c.hidden_size * 2  # bf16
+    assert step_cost(target, 2, 6, [4, 4])["flops"] > 2 * one["flops"] - 1
+    text = format_roofline(result)
+    assert "where a step goes" in text and "% roof" in text
+
+
+def test_roofline_command_writes_json_and_plot(tiny, tmp_path, capsys):
+    out = tmp_path / "roof"
+    assert main(["roofline", "--engine", str(tiny["plain"]), "--context", "4", "--repeats", "1",
+                 "--stream-gib", "0.01", "--out-dir", str(out), "--no-progress"]) == 0
+    data = json.loads((out / "roofline.json").read_text())
+    assert data["steps"][0]["step"] == "decode" and (out / "roofline.png").stat().st_size > 1000
+    assert not any("draft" in r["step"] for r in data["steps"])  # no head, no draft step
+    assert main(["roofline", "--engine", str(tiny["plain"]), "--budget", "2", "--stream-gib", "0.01"]) == 2
+    assert "below top_k" in capsys.readouterr().err

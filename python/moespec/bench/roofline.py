@@ -5,8 +5,8 @@
 
 In one process it measures
 1. this machine: the read-only stream bandwidth (the best of a float32 and an int64 sum over a
-   >= 1 GiB buffer, and a copy counted once) and the bf16 matmul throughput (the best of torch's
-   GEMM and moespec's ``linear`` on compute-bound shapes);
+   1 GiB buffer, ``--stream-gib``; and a copy counted once) and the matmul throughput (the best of
+   torch's bf16 and fp32 GEMMs and moespec's bf16 ``linear`` on compute-bound shapes);
 2. the engine's steps after a ``--context``-token prompt: the decode step, verify steps of
    T in {2, 4, 8, 16, 32, 64} tokens (a chain) without and with an expert budget, a draft step (the
    head's whole EAGLE-2 tree of the engine's depth and branching) and an eagle3 step (draft, verify,
@@ -15,7 +15,7 @@ and prints for each the bytes it reads (dense weights + the unique experts it to
 its FLOPs, the median time, the achieved GB/s and its share of the roofline
 ``max(bytes / bandwidth, FLOPs / peak)`` (100% = at the roofline). The decode step is split by
 phase (the native step's own clock) and into native time and host time (Python, dispatch,
-allocation: the decode call minus its native step). Writes ``roofline.json`` (atomically) and
+allocation: the call minus its native step), and so are verify steps of 2, 17 and 33 tokens. Writes ``roofline.json`` (atomically) and
 ``roofline.png`` (step time against tokens, the roofline drawn) into ``--out-dir``.
 
 Dimensions: T tokens of a step, S context, L layers, H hidden, V vocabulary.
@@ -68,17 +68,21 @@ def stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
 
 
 def matmul_peak(repeats: int = 5) -> dict[str, float]:
-    """GFLOP/s of bf16 matrix products: torch's GEMM (1024^3) and moespec's linear (64 x 2048 x 4096)."""
+    """GFLOP/s of matrix products: torch's bf16 GEMM (512^3), its fp32 GEMM (1024^3: a bf16 product
+    on a CPU without bf16 dot products runs on the fp32 FMAs, so this is the machine's real ceiling
+    there) and moespec's bf16 ``linear`` (64 x 2048 x 4096). The peak is the best of the three."""
     from moespec.ops import linear
 
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(1024, 1024, generator=g).bfloat16()
-    b = torch.randn(1024, 1024, generator=g).bfloat16()
-    torch_gflops = 2 * 1024**3 / _median_s(lambda: a @ b, repeats) / 1e9
+    out = {}
+    for name, n, dtype in (("torch_gemm_bf16", 512, torch.bfloat16), ("torch_gemm_fp32", 1024, torch.float32)):
+        a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
+        out[name] = 2 * n**3 / _median_s(lambda: a @ b, repeats) / 1e9
     x = torch.randn(64, 2048, generator=g).bfloat16()
     w = torch.randn(4096, 2048, generator=g).bfloat16()
-    ours = 2 * 64 * 2048 * 4096 / _median_s(lambda: linear(x, w), repeats) / 1e9
-    return {"torch_gemm": torch_gflops, "moespec_linear_t64": ours, "peak": max(torch_gflops, ours)}
+    out["moespec_linear_t64"] = 2 * 64 * 2048 * 4096 / _median_s(lambda: linear(x, w), repeats) / 1e9
+    out["peak"] = max(out.values())
+    return out
 
 
 # ---- what a step reads and computes ---------------------------------------------------------------
@@ -176,19 +180,23 @@ def measure_steps(engine, *, context: int, repeats: int, budget: Optional[int], 
         rows.append(_row(name, T, seconds, step_cost(target, T, context, kept), machine,
                          sum(kept) / len(kept) if kept else None))
 
-    decode_split = _decode_split(target, cache, prompt, context, repeats)
+    splits = _step_splits(target, cache, context, repeats)
     if engine.head is not None:
         rows.extend(_speculative_steps(engine, prompt, repeats, machine, progress))
-    return {"context": context, "budget": budget, "steps": rows, "decode_split": decode_split}
+    return {"context": context, "budget": budget, "steps": rows, "splits": splits}
 
 
-def _decode_split(target, cache, prompt, context: int, repeats: int) -> dict[str, Any]:
-    """The decode step's time by phase (native clock) and native vs host time."""
+SPLIT_SIZES = (1, 2, 17, 33)  # steps whose time is split by phase: decode, and verify of 2, 17, 33 tokens
+
+
+def _step_splits(target, cache, context: int, repeats: int) -> dict[str, Any]:
+    """Per step size of SPLIT_SIZES: the time by phase (the native step's own clock) and native
+    against host time (the call minus its native step: Python, dispatch, allocation)."""
     backend = target.backend
     if backend.name != "native":
         return {"backend": backend.name}
     decoder = backend.decoder
-    native_seconds = []
+    native_seconds: list[float] = []
     original = decoder.step
 
     def timed(*args):
@@ -196,23 +204,34 @@ def _decode_split(target, cache, prompt, context: int, repeats: int) -> dict[str
         original(*args)
         native_seconds.append(time.perf_counter() - start)
 
-    total = []
+    out: dict[str, Any] = {"backend": "native", "steps": {}}
     decoder.set_profiling(True)
-    decoder.reset_profile()
+    backend.decoder = _Wrapped(decoder, timed)
     try:
-        backend.decoder = _Wrapped(decoder, timed)
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            target.decode(cache, [int(prompt[-1])])
-            total.append(time.perf_counter() - start)
-            cache.lengths[0] = context
+        for T in SPLIT_SIZES:
+            tokens = [(7 * i + 3) % target.config.vocab_size for i in range(T)]
+            parents = [-1] + list(range(T - 1))
+            total = []
+            native_seconds.clear()
+            decoder.reset_profile()
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                if T == 1:
+                    target.decode(cache, tokens)
+                else:
+                    target.verify(cache, [tokens], [parents])
+                    cache.pending = None
+                total.append(time.perf_counter() - start)
+                cache.lengths[0] = context
+            phases = {k: v / (repeats + 1) * 1e3 for k, v in decoder.profile().items()}
+            step_ms, native_ms = statistics.median(total) * 1e3, statistics.median(native_seconds) * 1e3
+            out["steps"]["decode" if T == 1 else f"verify T={T}"] = {
+                "step_ms": step_ms, "native_ms": native_ms, "host_ms": step_ms - native_ms,
+                "host_share": (step_ms - native_ms) / step_ms, "phases_ms": phases}
     finally:
         backend.decoder = decoder
         decoder.set_profiling(False)
-    phases = {k: v / (repeats + 1) * 1e3 for k, v in decoder.profile().items()}
-    step_ms, native_ms = statistics.median(total) * 1e3, statistics.median(native_seconds) * 1e3
-    return {"backend": "native", "step_ms": step_ms, "native_ms": native_ms, "host_ms": step_ms - native_ms,
-            "host_share": (step_ms - native_ms) / step_ms, "phases_ms": phases}
+    return out
 
 
 class _Wrapped:
@@ -269,7 +288,8 @@ def format_roofline(result: dict[str, Any]) -> str:
     lines = [
         f"machine: read {m['bandwidth_gbs']:.1f} GB/s (f32 sum {m['stream']['read_f32_sum']:.1f}, i64 sum "
         f"{m['stream']['read_i64_sum']:.1f}, copy {m['stream']['copy']:.1f}), bf16 peak {m['peak_gflops']:.0f} GFLOP/s "
-        f"(torch GEMM {m['matmul']['torch_gemm']:.0f}, moespec linear T=64 {m['matmul']['moespec_linear_t64']:.0f}); "
+        f"(torch GEMM bf16 {m['matmul']['torch_gemm_bf16']:.0f} / fp32 {m['matmul']['torch_gemm_fp32']:.0f}, moespec "
+        f"linear bf16 T=64 {m['matmul']['moespec_linear_t64']:.0f}); "
         f"{m['threads']} threads, CPU ISA {m['cpu_isa']}",
         f"engine: {result['engine']} ({result['dtype']}), backend {result['backend']}, context {result['context']} "
         f"tokens, budget {result['budget']}",
@@ -288,11 +308,14 @@ def format_roofline(result: dict[str, Any]) -> str:
         experts = f"{r['experts_per_layer']:.1f}" if r["experts_per_layer"] is not None else "-"
         lines.append(f"{r['step']:<28}{r['tokens']:>4}{r['ms']:>9.2f}{r['mb']:>9.1f}{r['gflop']:>8.2f}{r['gbs']:>8.1f}"
                      f"{r['roofline_ms']:>9.2f}{r['pct_roofline']:>7.0f}%  {r['bound']:<7} {experts}")
-    split = result["decode_split"]
-    if split.get("backend") == "native":
-        lines += ["", f"decode step {split['step_ms']:.2f} ms = native {split['native_ms']:.2f} + host "
-                      f"{split['host_ms']:.2f} ({100 * split['host_share']:.1f}%); native phases (ms): "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in split["phases_ms"].items())]
+    splits = result["splits"]
+    if splits.get("backend") == "native":
+        names = list(next(iter(splits["steps"].values()))["phases_ms"])
+        lines += ["", "where a step goes (ms; native phases by the step's own clock, host = the call minus the native step)",
+                  f"{'step':<14}{'total':>7}{'host':>7}" + "".join(f"{n:>{max(len(n), 6) + 1}}" for n in names)]
+        for name, sp in splits["steps"].items():
+            lines.append(f"{name:<14}{sp['step_ms']:>7.2f}{sp['host_ms']:>7.2f}"
+                         + "".join(f"{sp['phases_ms'][n]:>{max(len(n), 6) + 1}.2f}" for n in names))
     return "\n".join(lines)
 
 
@@ -328,14 +351,18 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def run_roofline(engine_folder: str, *, context: int = 128, repeats: int = 7, budget: Optional[int] = None,
-                 dtype: Optional[str] = None, progress: bool = True) -> dict[str, Any]:
+                 dtype: Optional[str] = None, stream_gib: float = 1.0, progress: bool = True) -> dict[str, Any]:
     from moespec._loader import native
     from moespec.bench.run import open_engine
 
     if context < 1 or repeats < 1:
         raise ValueError(f"roofline: --context and --repeats must be >= 1, got {context} and {repeats}")
+    if not 0 < stream_gib <= 16:
+        raise ValueError(f"roofline: --stream-gib must be in (0, 16], got {stream_gib}")
     engine = open_engine(engine_folder, dtype)
-    stream = stream_bandwidth()
+    if budget is not None and engine.target.config.moe is not None and budget < engine.target.config.moe.top_k:
+        raise ValueError(f"roofline: --budget {budget} is below top_k={engine.target.config.moe.top_k}")
+    stream = stream_bandwidth(stream_gib)
     matmul = matmul_peak()
     machine = {"bandwidth_gbs": stream["read"], "peak_gflops": matmul["peak"], "stream": stream, "matmul": matmul,
                "threads": native().num_threads(), "torch_threads": torch.get_num_threads(),
@@ -353,12 +380,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per step (median)")
     p.add_argument("--budget", type=int, help="expert budget of the budgeted verify steps (default N/2)")
     p.add_argument("--dtype", choices=("bf16", "fp32"))
+    p.add_argument("--stream-gib", type=float, default=1.0, help="size of the bandwidth test's buffer (GiB)")
     p.add_argument("--out-dir", default="build/bench/roofline")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
         result = run_roofline(args.engine, context=args.context, repeats=args.repeats, budget=args.budget,
-                              dtype=args.dtype, progress=not args.no_progress)
+                              dtype=args.dtype, stream_gib=args.stream_gib, progress=not args.no_progress)
     except ValueError as exc:
         print(f"moespec bench roofline: error: {exc}", file=sys.stderr)
         return 2
