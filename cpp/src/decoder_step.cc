@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "aligned_buffer.h"
 #include "linear_impl.h"
 #include "moe_experts_simd.h"
 #include "moespec/cpu_isa.h"
@@ -30,6 +31,7 @@
 #include "moespec/thread_pool.h"
 
 namespace moespec {
+using cpu::AlignedBuffer;
 using cpu::kMoeActPad;
 using cpu::MoeExpertKernels;
 using cpu::moe_expert_kernels;
@@ -40,30 +42,6 @@ namespace {
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 constexpr int64_t kMaxHeadDim = 512;
-
-// A grow-only, 64-byte aligned array of T.
-template <typename T>
-class Buffer {
- public:
-  T* get(int64_t n) {
-    const std::size_t bytes = static_cast<std::size_t>(std::max<int64_t>(n, 1)) * sizeof(T);
-    if (bytes > capacity_) {
-      const std::size_t cap = (bytes + 63) / 64 * 64;
-      void* p = std::aligned_alloc(64, cap);
-      if (p == nullptr) throw std::bad_alloc();
-      data_.reset(static_cast<T*>(p));
-      capacity_ = cap;
-    }
-    return data_.get();
-  }
-
- private:
-  struct Free {
-    void operator()(T* p) const { std::free(p); }
-  };
-  std::unique_ptr<T, Free> data_;
-  std::size_t capacity_ = 0;
-};
 
 // What the model dtype makes of a value: bf16 rounding, or nothing for fp32.
 struct Rounder {
@@ -111,14 +89,14 @@ void check_weight(const TensorView& t, const char* what, int64_t layer, DType dt
 
 // Scratch of one step, grown to the largest step seen and reused (a warm step allocates nothing).
 struct DecoderModel::Workspace {
-  Buffer<float> x, h, y, q, o, mlp, inner, logits_f32, moe_w;
-  Buffer<char> act;        // staged activations (stage_values)
-  Buffer<uint16_t> bits;   // model-dtype copies for moe_experts / route_experts (bf16 models)
-  Buffer<uint16_t> bits_out;
-  Buffer<int32_t> ids;
-  Buffer<float> weights;
-  Buffer<int32_t> active, stats;
-  Buffer<int32_t> row_req;  // [P] request of each row
+  // fp32 values: residual, normed, projection outputs, q, attention output, feed-forward output,
+  // activations of the shared expert / dense MLP, logits and gates
+  AlignedBuffer x, h, y, q, o, mlp, inner, logits_f32;
+  AlignedBuffer act;       // staged activations (stage_values)
+  AlignedBuffer bits;      // model-dtype copies for moe_experts / route_experts (bf16 models)
+  AlignedBuffer bits_out;  // moe_experts' output in the model dtype
+  AlignedBuffer ids, weights, active;  // routing
+  AlignedBuffer row_req;   // [P] request of each row
 };
 
 DecoderModel::DecoderModel(const DecoderShape& shape, std::vector<DecoderLayerViews> layers, TensorView final_norm,
@@ -246,20 +224,20 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
   const char* kb = static_cast<const char*>(k_layer) + head_off;
   const char* vb = static_cast<const char*>(v_layer) + head_off;
 
-  thread_local Buffer<float> qv, scores, acc;
-  thread_local Buffer<char> act;
-  float* qrows = qv.get(rows * D);
+  thread_local AlignedBuffer qv, scores, acc, act;
+  float* qrows = qv.get<float>(rows * D);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t hg = 0; hg < G; ++hg)
       std::memcpy(qrows + ((t - t0) * G + hg) * D, q + (first + t) * Hq * D + (g * G + hg) * D,
                   static_cast<std::size_t>(D) * 4);
-  char* a = act.get(static_cast<int64_t>(static_cast<std::size_t>(rows * Dp) * 4));
+  char* a = act.get<char>(rows * Dp * 4);
   stage_values(c, qrows, D, rows, D, a);
-  float* sc = scores.get(rows * S);
+  float* sc = scores.get<float>(rows * S);
   (c.dtype == DType::kBFloat16 ? c.k.matmul_bf16 : c.k.matmul_f32)(kb, D, S, a, Dp, nullptr, rows, D, sc, S);
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  std::vector<float> inv_sum(static_cast<std::size_t>(rows));
+  thread_local std::vector<float> inv_sum;
+  inv_sum.resize(static_cast<std::size_t>(rows));
   for (int64_t t = t0; t < t1; ++t) {
     const uint32_t* bits = geo.mask + (first + t) * geo.W;
     for (int64_t hg = 0; hg < G; ++hg) {
@@ -280,7 +258,7 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
       inv_sum[static_cast<std::size_t>(n)] = 1.0f / sum;
     }
   }
-  float* out = acc.get(rows * D);
+  float* out = acc.get<float>(rows * D);
   std::fill_n(out, rows * D, 0.0f);
   (c.dtype == DType::kBFloat16 ? c.k.accumulate_bf16 : c.k.accumulate_f32)(vb, D, S, D, sc, S, rows, out, D);
   for (int64_t t = t0; t < t1; ++t)
@@ -442,16 +420,16 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       widest_in = std::max(widest_in, l.down.shape[1]);
     }
   }
-  float* x = ws.x.get(P * H);
-  float* h = ws.h.get(P * H);
-  float* y = ws.y.get(P * widest);
-  float* q = ws.q.get(P * Nq);
-  float* o = ws.o.get(P * Nq);
-  float* mlp = ws.mlp.get(P * H);
-  float* inner = ws.inner.get(P * widest_in);
-  char* act = ws.act.get(static_cast<int64_t>(staged_row_bytes(c.k, DType::kFloat32, widest_in)) * P);
+  float* x = ws.x.get<float>(P * H);
+  float* h = ws.h.get<float>(P * H);
+  float* y = ws.y.get<float>(P * widest);
+  float* q = ws.q.get<float>(P * Nq);
+  float* o = ws.o.get<float>(P * Nq);
+  float* mlp = ws.mlp.get<float>(P * H);
+  float* inner = ws.inner.get<float>(P * widest_in);
+  char* act = ws.act.get<char>(static_cast<int64_t>(staged_row_bytes(c.k, DType::kFloat32, widest_in)) * P);
   for (int64_t i = 0; i < P * H; ++i) x[i] = load(a.x, i);
-  int32_t* row_req = ws.row_req.get(P);
+  int32_t* row_req = ws.row_req.get<int32_t>(P);
   for (int64_t b = 0; b < B; ++b)
     for (int32_t p = offsets[b]; p < offsets[b + 1]; ++p) row_req[p] = static_cast<int32_t>(b);
 
@@ -530,7 +508,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
     if (l.router.defined()) {
       const int64_t E = s.num_experts, K = s.router.top_k;
       project(c, l.router, TensorView{}, h, P, act, y);  // router logits [P, E]
-      uint16_t* bits = ws.bits.get(P * std::max(E, H) * 2);
+      uint16_t* bits = ws.bits.get<uint16_t>(P * std::max(E, H) * 2);
       RouteExpertsArgs ra;
       if (dtype_ == DType::kBFloat16) {
         for (int64_t i = 0; i < P * E; ++i) bits[i] = detail::float_to_bf16(y[i]);
@@ -538,11 +516,11 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       } else {
         ra.router_logits = TensorView::contiguous(y, DType::kFloat32, {P, E});
       }
-      int32_t* ids = ws.ids.get(P * K);
-      float* weights = ws.weights.get(P * K);
+      int32_t* ids = ws.ids.get<int32_t>(P * K);
+      float* weights = ws.weights.get<float>(P * K);
       ra.ids = TensorView::contiguous(ids, DType::kInt32, {P, K});
       ra.weights = TensorView::contiguous(weights, DType::kFloat32, {P, K});
-      ra.active = TensorView::contiguous(ws.active.get(E), DType::kInt32, {E});
+      ra.active = TensorView::contiguous(ws.active.get<int32_t>(E), DType::kInt32, {E});
       ra.stats = TensorView::contiguous(a.stats.ptr<int32_t>() + moe_index * kRoutingStatsSize, DType::kInt32,
                                         {kRoutingStatsSize});
       ra.spec = s.router;
@@ -555,7 +533,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       MoeExpertsArgs ma;
       void* hx = h;
       void* out = mlp;
-      uint16_t* out_bits = ws.bits_out.get(P * H);
+      uint16_t* out_bits = ws.bits_out.get<uint16_t>(P * H);
       if (dtype_ == DType::kBFloat16) {
         for (int64_t i = 0; i < P * H; ++i) bits[i] = detail::float_to_bf16(h[i]);
         hx = bits;
@@ -577,7 +555,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
         for (int64_t p = 0; p < P; ++p)
           for (int64_t j = 0; j < Is; ++j)
             inner[p * Is + j] = r(r(silu(y[p * 2 * Is + j])) * y[p * 2 * Is + Is + j]);
-        float* gate = ws.logits_f32.get(P);
+        float* gate = ws.logits_f32.get<float>(P);
         project(c, l.shared_gate, TensorView{}, h, P, act, gate);  // [P, 1]
         project(c, l.shared_down, TensorView{}, inner, P, act, y);  // [P, H]
         for (int64_t p = 0; p < P; ++p) {
@@ -605,7 +583,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
 
   // logits of the chosen rows
   for (int64_t i = 0; i < R; ++i) rms_norm(x + logit_rows[i] * H, H, final_norm_, 0, s.rms_norm_eps, r, h + i * H);
-  float* logits = ws.logits_f32.get(R * s.vocab);
+  float* logits = ws.logits_f32.get<float>(R * s.vocab);
   if (R > 0) {
     project(c, lm_head_, TensorView{}, h, R, act, logits);
     for (int64_t i = 0; i < R * s.vocab; ++i) store(a.logits.data, dtype_, i, logits[i]);

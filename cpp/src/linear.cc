@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "aligned_buffer.h"
 #include "linear_impl.h"
 #include "moespec/cpu_isa.h"
 #include "moespec/detail/route_math.h"
@@ -72,25 +73,6 @@ float bias_at(const void* bias, DType dtype, int64_t n) {
                                    : static_cast<const float*>(bias)[n];
 }
 
-// A grow-only, 64-byte aligned buffer per calling thread.
-struct Staging {
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<void, Free> data;
-  std::size_t capacity = 0;
-  void* get(std::size_t bytes) {
-    if (bytes > capacity) {
-      const std::size_t cap = (bytes + 63) / 64 * 64;
-      void* p = std::aligned_alloc(64, cap);
-      if (p == nullptr) throw std::bad_alloc();
-      data.reset(p);
-      capacity = cap;
-    }
-    return data.get();
-  }
-};
-
 }  // namespace
 
 void linear_staged(const MoeExpertKernels& kernels, DType w_dtype, const void* w, int64_t N, int64_t K,
@@ -125,11 +107,11 @@ void linear(const LinearArgs& a) {
   if (T == 0) return;
   const MoeExpertKernels& kernels = moe_expert_kernels(active_cpu_isa());
   const DType dtype = a.x.dtype;
-  thread_local Staging act_buf, y_buf;
+  thread_local AlignedBuffer act_buf, y_buf;
   void* act = act_buf.get(staged_row_bytes(kernels, dtype, K) * static_cast<std::size_t>(T));
   stage_activations(kernels, dtype, a.x.data, T > 1 ? a.x.strides[0] : K, T, K, act);
   const bool f32 = dtype == DType::kFloat32;
-  float* y = f32 ? a.out.ptr<float>() : static_cast<float*>(y_buf.get(static_cast<std::size_t>(T * N) * 4));
+  float* y = f32 ? a.out.ptr<float>() : y_buf.get<float>(T * N);
   linear_staged(kernels, dtype, a.weight.data, N, K, a.bias.defined() ? a.bias.data : nullptr, a.bias.dtype, act, T,
                 y, N);
   if (!f32) {

@@ -29,6 +29,7 @@
 #include "moespec/detail/route_math.h"
 #include "moespec/error.h"
 #include "moespec/thread_pool.h"
+#include "aligned_buffer.h"
 #include "moe_experts_simd.h"
 
 namespace moespec {
@@ -205,28 +206,6 @@ constexpr int64_t kRowTile = 32;  // phase 1: gate/up rows per task
 constexpr int64_t kColTile = 64;  // phase 2: output columns per task
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// A grow-only, 64-byte aligned byte buffer.
-class AlignedBuffer {
- public:
-  void* get(std::size_t bytes) {
-    if (bytes > capacity_) {
-      const std::size_t cap = (std::max(bytes, capacity_ + capacity_ / 2) + 63) / 64 * 64;
-      void* p = std::aligned_alloc(64, cap);
-      if (p == nullptr) throw std::bad_alloc();
-      data_.reset(p);
-      capacity_ = cap;
-    }
-    return data_.get();
-  }
-
- private:
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<void, Free> data_;
-  std::size_t capacity_ = 0;
-};
 
 // Per calling thread, reused across calls (grow-only): the grouping and the staged activations.
 struct Workspace {
