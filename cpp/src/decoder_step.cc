@@ -62,11 +62,18 @@ float silu(float g) { return g / (1.0f + std::exp(-g)); }
 float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
 
 // transformers' RMSNorm over n values: normalise in fp32, round to the model dtype, then scale.
-void rms_norm(const float* x, int64_t n, const TensorView& w, int64_t w_offset, float eps, Rounder r, float* out) {
+void rms_norm(const float* x, int64_t n, const float* w, float eps, Rounder r, float* out) {
   float ss = 0.0f;
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = r(load(w, w_offset + i) * r(x[i] * inv));
+  for (int64_t i = 0; i < n; ++i) out[i] = r(w[i] * r(x[i] * inv));
+}
+
+// A weight vector's values as fp32 (norm weights, read for every token).
+std::vector<float> values(const TensorView& t) {
+  std::vector<float> out(static_cast<std::size_t>(t.defined() ? t.numel() : 0));
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = load(t, static_cast<int64_t>(i));
+  return out;
 }
 
 void check_weight(const TensorView& t, const char* what, int64_t layer, DType dtype,
@@ -97,6 +104,7 @@ struct DecoderModel::Workspace {
   AlignedBuffer bits_out;  // moe_experts' output in the model dtype
   AlignedBuffer ids, weights, active;  // routing
   AlignedBuffer row_req;   // [P] request of each row
+  AlignedBuffer cos, sin;  // [P, D] fp32 values of the rope tables' rows
 };
 
 DecoderModel::DecoderModel(const DecoderShape& shape, std::vector<DecoderLayerViews> layers, TensorView final_norm,
@@ -158,9 +166,17 @@ DecoderModel::DecoderModel(const DecoderShape& shape, std::vector<DecoderLayerVi
       check_weight(l.down, "down", i, dtype_, {H, I});
     }
   }
+  cache_norms();
 }
 
 DecoderModel::~DecoderModel() = default;
+
+void DecoderModel::cache_norms() {
+  norms_.clear();
+  for (const DecoderLayerViews& l : layers_)
+    norms_.push_back({values(l.input_norm), values(l.post_norm), values(l.q_norm), values(l.k_norm)});
+  final_norm_values_ = values(final_norm_);
+}
 
 namespace {
 
@@ -244,18 +260,16 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
       const int64_t n = (t - t0) * G + hg;
       float* row = sc + n * S;
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < S; ++j) {
-        const bool visible = j < start || ((bits[(j - start) >> 5] >> ((j - start) & 31)) & 1u);
+      for (int64_t j = 0; j < start; ++j) {  // the committed prefix: all visible
+        row[j] *= scale;
+        m = std::max(m, row[j]);
+      }
+      for (int64_t j = start; j < S; ++j) {  // the call's new tokens: by the mask
+        const bool visible = (bits[(j - start) >> 5] >> ((j - start) & 31)) & 1u;
         row[j] = visible ? row[j] * scale : -std::numeric_limits<float>::infinity();
         m = std::max(m, row[j]);
       }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < S; ++j) {
-        const float e = row[j] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(row[j] - m);
-        row[j] = e;
-        sum += e;
-      }
-      inv_sum[static_cast<std::size_t>(n)] = 1.0f / sum;
+      inv_sum[static_cast<std::size_t>(n)] = 1.0f / c.k.exp_sum(row, S, m);
     }
   }
   float* out = acc.get<float>(rows * D);
@@ -429,6 +443,9 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   float* inner = ws.inner.get<float>(P * widest_in);
   char* act = ws.act.get<char>(static_cast<int64_t>(staged_row_bytes(c.k, DType::kFloat32, widest_in)) * P);
   for (int64_t i = 0; i < P * H; ++i) x[i] = load(a.x, i);
+  float* cos_v = ws.cos.get<float>(P * D);
+  float* sin_v = ws.sin.get<float>(P * D);
+  for (int64_t i = 0; i < P * D; ++i) cos_v[i] = load(a.cos, i), sin_v[i] = load(a.sin, i);
   int32_t* row_req = ws.row_req.get<int32_t>(P);
   for (int64_t b = 0; b < B; ++b)
     for (int32_t p = offsets[b]; p < offsets[b + 1]; ++p) row_req[p] = static_cast<int32_t>(b);
@@ -448,7 +465,8 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   for (int64_t li = 0; li < L; ++li) {
     const DecoderLayerViews& l = layers_[static_cast<std::size_t>(li)];
     // attention
-    for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, l.input_norm, 0, s.rms_norm_eps, r, h + p * H);
+    const LayerNorms& norms = norms_[static_cast<std::size_t>(li)];
+    for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, norms.input.data(), s.rms_norm_eps, r, h + p * H);
     clock.mark(kNorm);
     const int64_t Nqkv = Nq + 2 * Nkv;
     project(c, l.qkv, l.qkv_bias, h, P, act, y);
@@ -460,14 +478,14 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       float* kp = qp + Nq;
       float* vp = kp + Nkv;
       if (s.qk_norm == QkNorm::kFull) {
-        rms_norm(qp, Nq, l.q_norm, 0, s.rms_norm_eps, r, qp);
-        rms_norm(kp, Nkv, l.k_norm, 0, s.rms_norm_eps, r, kp);
+        rms_norm(qp, Nq, norms.q.data(), s.rms_norm_eps, r, qp);
+        rms_norm(kp, Nkv, norms.k.data(), s.rms_norm_eps, r, kp);
       }
       if (s.clip_qkv > 0.0f)
         for (int64_t i = 0; i < Nqkv; ++i) qp[i] = std::clamp(qp[i], -s.clip_qkv, s.clip_qkv);
       if (s.qk_norm == QkNorm::kPerHead) {
-        for (int64_t hh = 0; hh < Hq; ++hh) rms_norm(qp + hh * D, D, l.q_norm, 0, s.rms_norm_eps, r, qp + hh * D);
-        for (int64_t hh = 0; hh < Hkv; ++hh) rms_norm(kp + hh * D, D, l.k_norm, 0, s.rms_norm_eps, r, kp + hh * D);
+        for (int64_t hh = 0; hh < Hq; ++hh) rms_norm(qp + hh * D, D, norms.q.data(), s.rms_norm_eps, r, qp + hh * D);
+        for (int64_t hh = 0; hh < Hkv; ++hh) rms_norm(kp + hh * D, D, norms.k.data(), s.rms_norm_eps, r, kp + hh * D);
       }
       // rope: x * cos + rotate_half(x) * sin, each product and the sum rounded
       const int64_t half = D / 2;
@@ -475,7 +493,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       auto rope = [&](float* v) {
         for (int64_t d = 0; d < D; ++d) rot[d] = d < half ? -v[d + half] : v[d - half];
         for (int64_t d = 0; d < D; ++d) {
-          const float cs = load(a.cos, p * D + d), sn = load(a.sin, p * D + d);
+          const float cs = cos_v[p * D + d], sn = sin_v[p * D + d];
           v[d] = r(r(v[d] * cs) + r(rot[d] * sn));
         }
       };
@@ -503,7 +521,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
     for (int64_t i = 0; i < P * H; ++i) x[i] = r(x[i] + y[i]);
 
     // feed-forward
-    for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, l.post_norm, 0, s.rms_norm_eps, r, h + p * H);
+    for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, norms.post.data(), s.rms_norm_eps, r, h + p * H);
     clock.mark(kNorm);
     if (l.router.defined()) {
       const int64_t E = s.num_experts, K = s.router.top_k;
@@ -582,7 +600,8 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   for (int64_t i = 0; i < P * H; ++i) store(a.x.data, dtype_, i, x[i]);
 
   // logits of the chosen rows
-  for (int64_t i = 0; i < R; ++i) rms_norm(x + logit_rows[i] * H, H, final_norm_, 0, s.rms_norm_eps, r, h + i * H);
+  for (int64_t i = 0; i < R; ++i)
+    rms_norm(x + logit_rows[i] * H, H, final_norm_values_.data(), s.rms_norm_eps, r, h + i * H);
   float* logits = ws.logits_f32.get<float>(R * s.vocab);
   if (R > 0) {
     project(c, lm_head_, TensorView{}, h, R, act, logits);

@@ -152,9 +152,18 @@ void accumulate_nn(const void* w, int64_t ldw, int64_t S, int64_t N, const float
   }
 }
 
+float exp_sum(float* x, int64_t n, float shift) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::isinf(x[i]) && x[i] < 0 ? 0.0f : std::exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
 }  // namespace
 const MoeExpertKernels kMoeExperts = {matmul_nt<float>, matmul_nt<uint16_t>, accumulate_nn<float>,
-                                      accumulate_nn<uint16_t>, DType::kFloat32, "scalar"};
+                                      accumulate_nn<uint16_t>, exp_sum, DType::kFloat32, "scalar"};
 }  // namespace scalar
 
 std::size_t staged_row_bytes(const MoeExpertKernels& kernels, DType w_dtype, int64_t K) {

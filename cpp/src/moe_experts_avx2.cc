@@ -176,7 +176,45 @@ void accumulate_nn(const void* w, int64_t ldw, int64_t S, int64_t N, const float
   }
 }
 
+// exp of 8 lanes (Cephes' expf: n = round(x log2 e), r = x - n ln 2 in two parts, a degree-6
+// polynomial, times 2^n), within 2 ulp of expf over [-87, 88]; inputs are clamped to that range.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 }  // namespace
+
+float exp_sum(float* x, int64_t n, float shift) {
+  const __m256 s = _mm256_set1_ps(shift), neg_inf = _mm256_set1_ps(-__builtin_inff());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    _mm256_storeu_ps(x + i, _mm256_andnot_ps(_mm256_cmp_ps(v, neg_inf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, s))));
+  }
+  if (i < n) {
+    float tmp[8];
+    for (int j = 0; j < 8; ++j) tmp[j] = i + j < n ? x[i + j] : -__builtin_inff();
+    const __m256 v = _mm256_loadu_ps(tmp);
+    _mm256_storeu_ps(tmp, _mm256_andnot_ps(_mm256_cmp_ps(v, neg_inf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, s))));
+    for (int64_t j = 0; i + j < n; ++j) x[i + j] = tmp[j];
+  }
+  float sum = 0.0f;  // in index order, so that zeros (masked slots) anywhere leave it unchanged
+  for (int64_t j = 0; j < n; ++j) sum += x[j];
+  return sum;
+}
 
 void accumulate_nn_f32(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda, int64_t n_tok,
                        float* c, int64_t ldc) {
@@ -188,7 +226,7 @@ void accumulate_nn_bf16(const void* w, int64_t ldw, int64_t S, int64_t N, const 
 }
 
 const MoeExpertKernels kMoeExperts = {matmul_nt<Ops8<float>>, matmul_nt<Ops8<uint16_t>>, accumulate_nn_f32,
-                                      accumulate_nn_bf16, DType::kFloat32, "avx2"};
+                                      accumulate_nn_bf16, exp_sum, DType::kFloat32, "avx2"};
 
 }  // namespace avx2
 }  // namespace cpu

@@ -42,11 +42,17 @@ using MoeMatmulNt = void (*)(const void* w, int64_t ldw, int64_t n_rows, const v
 using MoeAccumulateNn = void (*)(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda,
                                  int64_t n_tok, float* c, int64_t ldc);
 
+// Softmax numerators in place: x[i] = exp(x[i] - shift) for i < n (an x[i] of -inf gives exactly 0);
+// returns their sum, taken in index order (so zeros anywhere leave it unchanged: what keeps the
+// native step's attention batch-invariant). The SIMD paths use a polynomial exp (within 2 ulp of expf).
+using MoeExpSum = float (*)(float* x, int64_t n, float shift);
+
 struct MoeExpertKernels {
   MoeMatmulNt matmul_f32;   // fp32 weights x fp32 activations
   MoeMatmulNt matmul_bf16;  // bf16 weights x activations of dtype bf16_act
   MoeAccumulateNn accumulate_f32;   // fp32 rows
   MoeAccumulateNn accumulate_bf16;  // bf16 rows
+  MoeExpSum exp_sum;
   // Activations for matmul_bf16: kBFloat16 (products of bf16 pairs, vdpbf16ps) or kFloat32 (exact
   // fp32 copies of the bf16-rounded values).
   DType bf16_act;
@@ -78,6 +84,7 @@ void accumulate_nn_f32(const void* w, int64_t ldw, int64_t S, int64_t N, const f
                        float* c, int64_t ldc);
 void accumulate_nn_bf16(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda,
                         int64_t n_tok, float* c, int64_t ldc);
+float exp_sum(float* x, int64_t n, float shift);
 }
 #endif
 #if defined(MOESPEC_HAVE_AVX512)

@@ -224,3 +224,29 @@ TEST(linear_rejects_bad_arguments) {
   bad.x = TensorView{};
   CHECK_THROWS_WITH(cpu::linear(bad), "x");
 }
+
+TEST(exp_sum_matches_expf_on_every_isa) {
+  for (CpuIsa isa : supported_cpu_isas()) {
+    const cpu::MoeExpertKernels& k = cpu::moe_expert_kernels(isa);
+    for (int64_t n : {1, 7, 8, 29, 130}) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (int64_t i = 0; i < n; ++i) x[i] = i % 5 == 3 ? -std::numeric_limits<float>::infinity() : -0.37f * i + 3.0f;
+      std::vector<float> y = x;
+      const float sum = k.exp_sum(y.data(), n, 3.0f);
+      double want_sum = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double want = std::isinf(x[i]) ? 0.0 : std::exp(static_cast<double>(x[i]) - 3.0);
+        want_sum += want;
+        CHECK_MSG(std::abs(y[i] - want) <= 3e-7 * want + (want == 0.0 ? 0.0 : 1e-38),
+                  std::string(k.name) + ": exp at " + std::to_string(i));
+        if (std::isinf(x[i])) CHECK(y[i] == 0.0f);
+      }
+      CHECK_MSG(std::abs(sum - want_sum) <= 1e-6 * want_sum, std::string(k.name) + ": sum");
+      // zeros (masked slots) anywhere leave the sum's bits unchanged: it is taken in index order
+      std::vector<float> packed;
+      for (int64_t i = 0; i < n; ++i)
+        if (!std::isinf(x[i])) packed.push_back(x[i]);
+      CHECK(k.exp_sum(packed.data(), static_cast<int64_t>(packed.size()), 3.0f) == sum);
+    }
+  }
+}

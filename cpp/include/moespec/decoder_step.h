@@ -127,11 +127,18 @@ class DecoderModel {
 
  private:
   struct Workspace;
+  struct LayerNorms {  // fp32 values of a layer's norm weights (empty when absent)
+    std::vector<float> input, post, q, k;
+  };
+  void cache_norms();
+
   DecoderShape shape_;
   std::vector<DecoderLayerViews> layers_;
   TensorView final_norm_, lm_head_;
   DType dtype_ = DType::kFloat32;
   int64_t num_moe_ = 0;
+  std::vector<LayerNorms> norms_;
+  std::vector<float> final_norm_values_;
   std::unique_ptr<Workspace> ws_;
   bool profiling_ = false;
   std::vector<double> phase_seconds_;

@@ -575,6 +575,7 @@ def build_default_moe(out_dir: str | Path, *, cache_dir: str | Path, seed: int =
         "settings": asdict(settings), "seed": seed, "threads": THREADS, "python": sys.version.split()[0],
         "torch": torch.__version__, "corpus": corpus.summary(), "layers": layer_stats,
         "distill_kl": {"first": losses[0] if losses else None, "last5": sum(losses[-5:]) / max(1, len(losses[-5:]))},
+        "distill_precision": "bf16 autocast" if settings.distill_bf16 and cpu_bf16_is_fast() else "fp32",
     }
     save_checkpoint(model, tokenizer, Path(out_dir), metrics)
     stage.unlink(missing_ok=True)
