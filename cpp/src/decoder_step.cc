@@ -240,7 +240,7 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
   const char* kb = static_cast<const char*>(k_layer) + head_off;
   const char* vb = static_cast<const char*>(v_layer) + head_off;
 
-  thread_local AlignedBuffer qv, scores, acc, act;
+  thread_local AlignedBuffer qv, scores, acc, act, kv;
   float* qrows = qv.get<float>(rows * D);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t hg = 0; hg < G; ++hg)
@@ -248,8 +248,23 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
                   static_cast<std::size_t>(D) * 4);
   char* a = act.get<char>(rows * Dp * 4);
   stage_values(c, qrows, D, rows, D, a);
+  // The head's keys and values as fp32 once per task (bf16 caches): every token row of the task
+  // then runs the fp32 products on them instead of converting each cache row again.
+  const void* keys = kb;
+  const void* vals = vb;
+  bool f32 = c.dtype == DType::kFloat32;
+  if (!f32 && c.k.bf16_act == DType::kFloat32) {
+    float* kf = kv.get<float>(2 * S * D);
+    const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kb);
+    const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vb);
+    for (int64_t i = 0; i < S * D; ++i) kf[i] = detail::bf16_to_float(k16[i]);
+    for (int64_t i = 0; i < S * D; ++i) kf[S * D + i] = detail::bf16_to_float(v16[i]);
+    keys = kf;
+    vals = kf + S * D;
+    f32 = true;
+  }
   float* sc = scores.get<float>(rows * S);
-  (c.dtype == DType::kBFloat16 ? c.k.matmul_bf16 : c.k.matmul_f32)(kb, D, S, a, Dp, nullptr, rows, D, sc, S);
+  (f32 ? c.k.matmul_f32 : c.k.matmul_bf16)(keys, D, S, a, Dp, nullptr, rows, D, sc, S);
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   thread_local std::vector<float> inv_sum;
@@ -274,7 +289,7 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
   }
   float* out = acc.get<float>(rows * D);
   std::fill_n(out, rows * D, 0.0f);
-  (c.dtype == DType::kBFloat16 ? c.k.accumulate_bf16 : c.k.accumulate_f32)(vb, D, S, D, sc, S, rows, out, D);
+  (f32 ? c.k.accumulate_f32 : c.k.accumulate_bf16)(vals, D, S, D, sc, S, rows, out, D);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t hg = 0; hg < G; ++hg) {
       const int64_t n = (t - t0) * G + hg;
