@@ -8,6 +8,7 @@
                   [--dtype bf16|fp32] [--policy ...] [--depth D] [--top-k K] [--total-tokens M] [--budget B] [--force]
     moespec train-draft --target <folder> --corpus <files...> --out <folder> [...]
     moespec bench throughput|latency|compare --engine <folder> --dataset <jsonl> [...]
+    moespec bench roofline --engine <folder> [...]
     moespec prepare-dataset --out <file.jsonl> [--tokenizer <folder>] [--seed 420] <source> [...] ...
 
 Configuration flows one way: flags -> typed configs (SpeculativeConfig, SamplingParams) -> LLM.
@@ -103,7 +104,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _generate_parser(sub)
     sub.add_parser("train-draft", help="train an EAGLE-3 draft head (see moespec train-draft --help)")
     sub.add_parser("build", help="build an engine folder (see moespec build --help)")
-    sub.add_parser("bench", help="trtllm-bench-style benchmarks: throughput, latency, compare (see moespec bench --help)")
+    sub.add_parser("bench", help="trtllm-bench-style benchmarks: throughput, latency, compare, roofline "
+                                 "(see moespec bench --help)")
     sub.add_parser("prepare-dataset", help="write a trtllm-bench JSON Lines dataset (see moespec prepare-dataset --help)")
     args = parser.parse_args(argv)
     if args.command == "generate":
