@@ -175,9 +175,11 @@ TEST(accumulate_nn_matches_the_naive_loop_on_every_isa) {
         for (float& v : a) v = normal(rng);
         for (float& v : c0) v = normal(rng);
         c = c0;
-        (dt == DType::kBFloat16 ? k.accumulate_bf16 : k.accumulate_f32)(
-            dt == DType::kBFloat16 ? static_cast<const void*>(w16.data()) : w.data(), N, S, N, a.data(), S, n_tok,
-            c.data(), N);
+        auto accumulate = [&](const float* rows, int64_t n, float* out) {  // S rows of w, n activation rows
+          (dt == DType::kBFloat16 ? k.accumulate_bf16 : k.accumulate_f32)(
+              dt == DType::kBFloat16 ? static_cast<const void*>(w16.data()) : w.data(), N, S, N, rows, S, n, out, N);
+        };
+        accumulate(a.data(), n_tok, c.data());
         double scale = 0.0;
         std::vector<double> want(n_tok * N);
         for (int64_t n = 0; n < n_tok; ++n)
@@ -192,9 +194,7 @@ TEST(accumulate_nn_matches_the_naive_loop_on_every_isa) {
                     std::string(k.name) + " N=" + std::to_string(N) + ": element " + std::to_string(i));
         // one row alone gives the same bits as in the block
         std::vector<float> single(c0.begin() + 3 * N, c0.begin() + 4 * N);
-        (dt == DType::kBFloat16 ? k.accumulate_bf16 : k.accumulate_f32)(
-            dt == DType::kBFloat16 ? static_cast<const void*>(w16.data()) : w.data(), N, S, N, a.data() + 3 * S, S,
-            1, single.data(), N);
+        accumulate(a.data() + 3 * S, 1, single.data());
         CHECK_MSG(std::memcmp(single.data(), c.data() + 3 * N, N * sizeof(float)) == 0,
                   std::string(k.name) + ": a row alone differs");
       }
