@@ -434,6 +434,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   }
 
   // ---- the step ----
+  std::lock_guard<std::mutex> lock(step_mutex_);
   Workspace& ws = *ws_;
   const Ctx c{s, moe_expert_kernels(active_cpu_isa()), dtype_, Rounder{dtype_ == DType::kBFloat16}, P};
   const Rounder r = c.r;

@@ -249,3 +249,29 @@ def test_bad_step_arguments_are_value_errors(pairs):
             decoder.step(*args(**edit))
     with pytest.raises(ValueError, match="budget.max_experts"):
         decoder.step(*args()[:-3], c.moe.top_k - 1, 0, 0.0)
+
+
+def test_steps_from_two_threads_are_serialized(pairs):
+    import threading
+
+    native, _ = pairs["qwen2_moe", "bf16"]
+    prompts = [_prompt(7, 10), _prompt(5, 11)]
+    want = []
+    for prompt in prompts:
+        cache = native.new_cache(1, 64)
+        native.prefill(cache, [prompt])
+        want.append([native.decode(cache, [t]).logits for t in (3, 4, 5, 6)])
+    got = [None, None]
+
+    def run(i):
+        cache = native.new_cache(1, 64)
+        native.prefill(cache, [prompts[i]])
+        got[i] = [native.decode(cache, [t]).logits for t in (3, 4, 5, 6)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[i], want[i]))

@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "moespec/route_experts.h"
@@ -112,7 +113,8 @@ class DecoderModel {
 
   // Runs one step (see the file comment). Validates the arguments first; a failed call leaves the
   // cache's committed slots unchanged. Scratch memory is kept between calls and grows to the
-  // largest step (at most kMaxDecoderStepTokens tokens).
+  // largest step (at most kMaxDecoderStepTokens tokens). Calls from several threads are serialized
+  // (they share the scratch).
   void step(const DecoderStepArgs& args);
 
   // Profiling (off by default): seconds spent per phase of the steps run since the last reset, in
@@ -140,6 +142,7 @@ class DecoderModel {
   std::vector<LayerNorms> norms_;
   std::vector<float> final_norm_values_;
   std::unique_ptr<Workspace> ws_;
+  std::mutex step_mutex_;  // one step at a time: the workspace is shared
   bool profiling_ = false;
   std::vector<double> phase_seconds_;
 };
