@@ -4,12 +4,14 @@ transformers' ``generate`` cannot verify a draft tree, keep only accepted tokens
 budget experts, so moespec owns its forward pass; transformers is the checkpoint format and the
 numerical reference (tests/python/test_models_*.py).
 
-One forward serves all three entry points. Each request b of the cache's batch gets ``n_b`` new
-tokens at slots ``lengths[b] + j``; a new token sees the request's committed tokens plus, among the
-new ones, those its relation allows: earlier tokens (prefill, decode) or its tree ancestors and
-itself (verify). Positions are ``lengths[b] + j`` for sequences and ``lengths[b] + depth`` for trees.
-Batches are padded: requests of different lengths run together, padded slots are masked out of
-attention, never written to the cache and never routed to experts.
+One forward serves all three entry points; :class:`TargetModel` validates the call and hands it to
+the backend chosen once per model (:mod:`moespec.runtime.backend`: the native decoder step, or the
+torch reference forward). Each request b of the cache's batch gets ``n_b`` new tokens at slots
+``lengths[b] + j``; a new token sees the request's committed tokens plus, among the new ones, those
+its relation allows: earlier tokens (prefill, decode) or its tree ancestors and itself (verify).
+Positions are ``lengths[b] + j`` for sequences and ``lengths[b] + depth`` for trees. Requests of
+different lengths run together; their padding (the reference pads, the native step packs) is
+masked out of attention, never written to the cache and never routed to experts.
 
 Dimensions: B requests, T new tokens (padded), S attended slots, L layers, H hidden, Hq/Hkv query
 and key/value heads, D head dim, V vocabulary.
