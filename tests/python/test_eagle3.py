@@ -255,6 +255,28 @@ def test_ttt_forward_equals_cached_inference(target):
             hidden = out.hidden
 
 
+def test_inference_fuses_projections_with_the_same_values(target):
+    """At inference q/k/v and gate/up run as one projection each, on a copy of the weights made
+    again after an in-place update (an optimizer step); each output row is its own dot products, so
+    the values equal the separate projections'."""
+    from moespec.ops import linear
+
+    head = _head(target, _weights(seed=5))
+    a, m = head.midlayer.self_attn, head.midlayer.mlp
+    x = torch.randn(7, 2 * H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        fused = linear(x, head._fused("qkv", a.q_proj, a.k_proj, a.v_proj))
+        separate = torch.cat([linear(x, p.weight) for p in (a.q_proj, a.k_proj, a.v_proj)], dim=-1)
+        assert torch.equal(fused, separate)
+        a.k_proj.weight.mul_(2.0)  # in place: the fused copy must follow
+        again = linear(x, head._fused("qkv", a.q_proj, a.k_proj, a.v_proj))
+        assert torch.equal(again, torch.cat([linear(x, p.weight) for p in (a.q_proj, a.k_proj, a.v_proj)], -1))
+        assert not torch.equal(again, fused)
+        h = x[:, :H]
+        assert torch.equal(linear(h, head._fused("gate_up", m.gate_proj, m.up_proj)),
+                           torch.cat([linear(h, m.gate_proj.weight), linear(h, m.up_proj.weight)], dim=-1))
+
+
 def test_forward_rejects_bad_input(target):
     head = _head(target, _weights())
     cache = head.new_cache(1, 4)

@@ -433,6 +433,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", t2d)  # bool [V]: target ids in the draft vocabulary
         # float32 [D/2]; a plain attribute, not a buffer, so that module.to(bf16) cannot round it
         self._inv_freq = c.rope.inv_freq(c.head_dim)
+        self._fused_weights: dict[str, tuple] = {}  # inference copies of q/k/v and gate/up, see _fused
 
     @property
     def dtype(self) -> torch.dtype:
@@ -580,9 +581,14 @@ class Eagle3Head(nn.Module):
         c, a = self.config, self.midlayer.self_attn
         B, T, _ = x.shape
         D = c.head_dim
-        q = linear(x, a.q_proj.weight).view(B, T, c.num_heads, D).transpose(1, 2)
-        k = linear(x, a.k_proj.weight).view(B, T, c.num_kv_heads, D).transpose(1, 2)
-        v = linear(x, a.v_proj.weight).view(B, T, c.num_kv_heads, D).transpose(1, 2)
+        if torch.is_grad_enabled():  # training: the parameters themselves, for autograd
+            q, k, v = (linear(x, p.weight) for p in (a.q_proj, a.k_proj, a.v_proj))
+        else:  # inference: one projection over the three (same values: each output row is its own)
+            q, k, v = linear(x, self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).split(
+                [c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D], dim=-1)
+        q = q.view(B, T, c.num_heads, D).transpose(1, 2)
+        k = k.view(B, T, c.num_kv_heads, D).transpose(1, 2)
+        v = v.view(B, T, c.num_kv_heads, D).transpose(1, 2)
         if self._inv_freq.device != x.device:
             self._inv_freq = self._inv_freq.to(x.device)
         freqs = positions.to(x.device)[..., None].float() * self._inv_freq  # [B, T, D/2]
@@ -596,8 +602,21 @@ class Eagle3Head(nn.Module):
         B, _, T, _ = o.shape
         h = residual + linear(o.transpose(1, 2).reshape(B, T, -1), m.self_attn.o_proj.weight)
         x = rms_norm(h, m.post_attention_layernorm.weight, eps)
-        return h + linear(F.silu(linear(x, m.mlp.gate_proj.weight)) * linear(x, m.mlp.up_proj.weight),
-                            m.mlp.down_proj.weight)
+        if torch.is_grad_enabled():
+            gate, up = linear(x, m.mlp.gate_proj.weight), linear(x, m.mlp.up_proj.weight)
+        else:
+            gate, up = linear(x, self._fused("gate_up", m.mlp.gate_proj, m.mlp.up_proj)).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, m.mlp.down_proj.weight)
+
+    def _fused(self, name: str, *projections: _Proj) -> torch.Tensor:
+        """The projections' weights stacked [sum out, in] for inference, made once and made again
+        whenever one of them changes (a new tensor, or an in-place update such as an optimizer step)."""
+        key = tuple((p.weight.data_ptr(), p.weight._version) for p in projections)
+        cached = self._fused_weights.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat([p.weight.detach() for p in projections]).contiguous())
+            self._fused_weights[name] = cached
+        return cached[1]
 
     def _chain_attention(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                          causal: torch.Tensor) -> torch.Tensor:
