@@ -105,6 +105,7 @@ struct DecoderModel::Workspace {
   AlignedBuffer ids, weights, active;  // routing
   AlignedBuffer row_req;   // [P] request of each row
   AlignedBuffer cos, sin;  // [P, D] fp32 values of the rope tables' rows
+  std::vector<std::array<int64_t, 4>> attend_tasks;
 };
 
 DecoderModel::DecoderModel(const DecoderShape& shape, std::vector<DecoderLayerViews> layers, TensorView final_norm,
@@ -470,7 +471,8 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   const std::size_t w_size = dtype_size(dtype_);
   const std::size_t layer_elems = static_cast<std::size_t>(B * Hkv * S_max * D);
   ThreadPool& pool = ThreadPool::instance();
-  std::vector<std::array<int64_t, 4>> attend_tasks;
+  std::vector<std::array<int64_t, 4>>& attend_tasks = ws.attend_tasks;  // (request, kv head, t0, t1)
+  attend_tasks.clear();  // keeps its capacity: a warm step allocates nothing
   for (int64_t b = 0; b < B; ++b)
     for (int64_t g = 0; g < Hkv; ++g)
       for (int64_t t0 = 0; t0 < offsets[b + 1] - offsets[b]; t0 += kAttendChunk)
