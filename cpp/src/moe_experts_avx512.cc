@@ -6,8 +6,8 @@
 //
 // Blocking: a tile holds 2 partial accumulators (16 fp32 lanes) for each of R weight rows x TN
 // activation rows (R <= kR = 4, TN <= kTN = 3: 24 accumulators). The loop order follows the
-// number of tokens n (matmul_nt): n <= 3 (decode): R = 1, weight rows streamed in order;
-// n <= 32 (verify): blocks of 4 rows outer, read from memory once, the next block prefetched;
+// number of tokens n (matmul_nt): n <= 32 (decode, verify): blocks of 4 rows outer, read from
+// memory once, the next block prefetched;
 // more (prefill): tokens outer, the task's weight tile in L2. Each element follows one canonical
 // order (see Tile), whatever its block, so results depend neither on the blocking nor on the
 // tokens that share an expert (a token alone gets the same bits as in a batch).
