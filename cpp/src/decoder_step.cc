@@ -167,12 +167,21 @@ DecoderModel::DecoderModel(const DecoderShape& shape, std::vector<DecoderLayerVi
       check_weight(l.down, "down", i, dtype_, {H, I});
     }
   }
-  cache_norms();
+  derive_from_weights();
 }
 
 DecoderModel::~DecoderModel() = default;
 
-void DecoderModel::cache_norms() {
+void DecoderModel::derive_from_weights() {
+  const DecoderShape& s = shape_;
+  widest_out_ = std::max({s.hidden, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.num_experts});
+  widest_in_ = std::max(s.hidden, s.num_heads * s.head_dim);
+  for (const DecoderLayerViews& l : layers_)
+    for (const TensorView* down : {&l.shared_down, &l.down})
+      if (down->defined()) {
+        widest_out_ = std::max(widest_out_, 2 * down->shape[1]);
+        widest_in_ = std::max(widest_in_, down->shape[1]);
+      }
   norms_.clear();
   for (const DecoderLayerViews& l : layers_)
     norms_.push_back({values(l.input_norm), values(l.post_norm), values(l.q_norm), values(l.k_norm)});
@@ -187,7 +196,6 @@ struct Ctx {
   const MoeExpertKernels& k;
   DType dtype;
   Rounder r;
-  int64_t P;
 };
 
 // fp32 values [T, K] (row stride ld) -> the product's activation rows (bf16 bits or fp32).
@@ -437,20 +445,9 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   // ---- the step ----
   std::lock_guard<std::mutex> lock(step_mutex_);
   Workspace& ws = *ws_;
-  const Ctx c{s, moe_expert_kernels(active_cpu_isa()), dtype_, Rounder{dtype_ == DType::kBFloat16}, P};
+  const Ctx c{s, moe_expert_kernels(active_cpu_isa()), dtype_, Rounder{dtype_ == DType::kBFloat16}};
   const Rounder r = c.r;
-  int64_t widest = std::max({H, Nq + 2 * Nkv, s.num_experts});
-  int64_t widest_in = std::max(H, Nq);
-  for (const DecoderLayerViews& l : layers_) {
-    if (l.shared_down.defined()) {
-      widest = std::max(widest, 2 * l.shared_down.shape[1]);
-      widest_in = std::max(widest_in, l.shared_down.shape[1]);
-    }
-    if (l.down.defined()) {
-      widest = std::max(widest, 2 * l.down.shape[1]);
-      widest_in = std::max(widest_in, l.down.shape[1]);
-    }
-  }
+  const int64_t widest = widest_out_, widest_in = widest_in_;  // widest projection output / input
   float* x = ws.x.get<float>(P * H);
   float* h = ws.h.get<float>(P * H);
   float* y = ws.y.get<float>(P * widest);

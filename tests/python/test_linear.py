@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from moespec._loader import native
 from moespec._tensor import view
 from moespec.ops import linear, linear_op
-from moespec.ops.linear import NATIVE_MAX_TOKENS
+from moespec.ops.linear import NATIVE_MAX_ROWS
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
 
@@ -70,7 +70,7 @@ def test_leading_dims_and_fallbacks():
     x, w = torch.randn(2, 3, 40, generator=g), torch.randn(24, 40, generator=g)
     assert linear(x, w).shape == (2, 3, 24)
     _check(linear(x, w).reshape(6, 24), x.reshape(6, 40), w, None)
-    big = torch.randn(NATIVE_MAX_TOKENS + 1, 40, generator=g)  # torch's GEMM beyond the native sizes
+    big = torch.randn(NATIVE_MAX_ROWS + 1, 40, generator=g)  # torch's GEMM beyond the native sizes
     assert torch.equal(linear(big, w), F.linear(big, w))
     half = x.half()
     assert torch.equal(linear(half, w.half()), F.linear(half, w.half()))

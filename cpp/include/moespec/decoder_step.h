@@ -132,7 +132,7 @@ class DecoderModel {
   struct LayerNorms {  // fp32 values of a layer's norm weights (empty when absent)
     std::vector<float> input, post, q, k;
   };
-  void cache_norms();
+  void derive_from_weights();  // norms_, final_norm_values_, widest_*_: computed once
 
   DecoderShape shape_;
   std::vector<DecoderLayerViews> layers_;
@@ -141,6 +141,7 @@ class DecoderModel {
   int64_t num_moe_ = 0;
   std::vector<LayerNorms> norms_;
   std::vector<float> final_norm_values_;
+  int64_t widest_out_ = 0, widest_in_ = 0;  // widest projection output / input over the layers
   std::unique_ptr<Workspace> ws_;
   std::mutex step_mutex_;  // one step at a time: the workspace is shared
   bool profiling_ = false;

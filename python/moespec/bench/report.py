@@ -96,6 +96,11 @@ def write_json(path: Union[str, Path], obj: dict[str, Any], kind: str = "report"
     """Validates ``obj`` and writes it (atomically) as indented JSON."""
     obj = _finite(obj)
     validate(obj, kind)
+    return write_json_atomic(path, obj)
+
+
+def write_json_atomic(path: Union[str, Path], obj: Any) -> Path:
+    """Writes ``obj`` as indented JSON into a temporary file beside ``path``, then renames it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

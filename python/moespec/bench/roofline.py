@@ -24,11 +24,8 @@ Dimensions: T tokens of a step, S context, L layers, H hidden, V vocabulary.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -342,14 +339,6 @@ def roofline_plot(result: dict[str, Any], path: Path) -> Path:
     return _save(plt, fig, path)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
-
-
 def run_roofline(engine_folder: str, *, context: int = 128, repeats: int = 7, budget: Optional[int] = None,
                  dtype: Optional[str] = None, stream_gib: float = 1.0, progress: bool = True) -> dict[str, Any]:
     from moespec._loader import native
@@ -391,6 +380,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"moespec bench roofline: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out_dir)
+    from moespec.bench.report import write_json_atomic
+
     write_json_atomic(out / "roofline.json", result)
     roofline_plot(result, out / "roofline.png")
     print(format_roofline(result))

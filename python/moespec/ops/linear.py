@@ -10,6 +10,7 @@ Dimensions: T tokens, K input features, N output features.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 from moespec._loader import native
 from moespec._tensor import view
 
-NATIVE_MAX_TOKENS = 64  # rows of x above which torch's GEMM (compute-bound there) takes over
+# Rows of x above which torch's GEMM takes over (compute-bound there) for fp32, and for bf16 where
+# the CPU has bf16 dot products; without them torch's bf16 GEMM is ~50x slower, so bf16 stays native.
+NATIVE_MAX_ROWS = 64
 
 
 def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -41,6 +44,7 @@ def _linear_fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@functools.cache
 def cpu_bf16_is_fast() -> bool:
     """Whether torch's bf16 matrix products run at speed on this CPU (it has AVX512_BF16). Without
     it, oneDNN's bf16 GEMM is about 50x slower than its fp32 one (1.2 against 63 GFLOP/s a Zen 3
@@ -60,8 +64,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Returns
     -------
     Tensor [..., N] in x's dtype. The native kernel runs when every tensor is on the CPU, the dtype
-    is float32 or bfloat16, ``weight`` is contiguous and x has at most ``NATIVE_MAX_TOKENS`` rows;
-    otherwise this is ``torch.nn.functional.linear`` (same values within the kernel's tolerance).
+    is float32 or bfloat16, ``weight`` is contiguous and x has at most ``NATIVE_MAX_ROWS`` rows (any
+    number for bf16 on a CPU without bf16 dot products); otherwise this is
+    ``torch.nn.functional.linear`` (same values within the kernel's tolerance).
 
     Examples
     --------
@@ -72,7 +77,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """
     rows = x.numel() // max(x.shape[-1], 1)
     if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
-            or weight.dtype != x.dtype or not weight.is_contiguous() or rows > NATIVE_MAX_TOKENS or rows == 0
+            or weight.dtype != x.dtype or not weight.is_contiguous() or rows == 0
+            or rows > NATIVE_MAX_ROWS and (x.dtype == torch.float32 or cpu_bf16_is_fast())
             or (bias is not None and (bias.device.type != "cpu" or bias.dtype not in (x.dtype, torch.float32)))
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)

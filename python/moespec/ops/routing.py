@@ -182,6 +182,13 @@ class Routing:
 _SOFTMAX_VECTOR_WIDTH = 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
 
 
+def budget_codes(budget: Optional[ExpertBudget]) -> tuple[int, int, float]:
+    """An ExpertBudget as the native ops take it: (max_experts, policy code, coverage); 0s for none."""
+    if budget is None:
+        return 0, 0, 0.0
+    return budget.max_experts, _POLICY_CODES[budget.policy], float(budget.coverage or 0.0)
+
+
 def softmax_vector_width() -> int:
     """Lane count of PyTorch's CPU softmax reduction on this machine (16 with AVX-512, else 8).
 
@@ -328,9 +335,7 @@ def route_experts(
         spec.n_group,
         spec.topk_group,
         float(spec.scaling),
-        budget.max_experts if budget else 0,
-        _POLICY_CODES[budget.policy] if budget else 0,
-        float(budget.coverage) if budget and budget.coverage is not None else 0.0,
+        *budget_codes(budget),
         _SOFTMAX_VECTOR_WIDTH,
     )
     # Eager calls go straight to the implementation (the dispatcher round trip of the custom op

@@ -35,7 +35,7 @@ from moespec._tensor import view
 from moespec.models.cache import KVCache
 from moespec.models.moe import moe_forward
 from moespec.ops import ExpertBudget, RoutingStats
-from moespec.ops.routing import _FAMILY_CODES, _POLICY_CODES, softmax_vector_width
+from moespec.ops.routing import _FAMILY_CODES, budget_codes, softmax_vector_width
 from moespec.runtime.state import RopeTable, step_geometry
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bi
 
 
 class NativeBackend:
-    """Decode and verify steps (and short prefills) in one native call; see the module docstring."""
+    """Every call of up to NATIVE_MAX_TOKENS tokens in one native call; see the module docstring."""
 
     name = "native"
 
@@ -267,8 +267,7 @@ class NativeBackend:
             view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k, "k_cache"), view(cache.v, "v_cache"),
             view(offsets, "offsets"), view(start, "start"), view(mask, "mask"), view(taps, "taps"),
             view(tap_out, "tap_out"), view(logit_rows, "logit_rows"), view(logits, "logits"), view(stats, "stats"),
-            budget.max_experts if budget else 0, _POLICY_CODES[budget.policy] if budget else 0,
-            float(budget.coverage) if budget and budget.coverage is not None else 0.0)
+            *budget_codes(budget))
         B = len(seqs)
         if last_only:
             if len(rows) < B:  # zeros for requests without new tokens
