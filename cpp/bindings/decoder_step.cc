@@ -16,7 +16,7 @@ namespace py = pybind11;
 namespace moespec {
 namespace {
 
-constexpr const char* kLayerFields[] = {"input_norm", "qkv",    "qkv_bias", "q_norm",  "k_norm",
+constexpr const char* kLayerFields[] = {"input_norm", "embed_norm", "qkv",    "qkv_bias", "q_norm",  "k_norm",
                                         "o",          "o_bias", "post_norm", "gate_up", "down",
                                         "router",     "experts", "shared_gate_up", "shared_down", "shared_gate"};
 
@@ -33,6 +33,7 @@ DecoderLayerViews layer_views(const py::dict& d, std::size_t index) {
   };
   DecoderLayerViews l;
   l.input_norm = get("input_norm");
+  l.embed_norm = get("embed_norm");
   l.qkv = get("qkv");
   l.qkv_bias = get("qkv_bias");
   l.q_norm = get("q_norm");
@@ -60,7 +61,7 @@ void bind_decoder_step(py::module_& m) {
                        float eps, int qk_norm, float clip_qkv, int64_t num_experts, int64_t expert_intermediate,
                        int family, int top_k, bool renormalize, bool weights_in_model_dtype,
                        int softmax_vector_width, const py::list& layers, const py::object& final_norm,
-                       const py::object& lm_head) {
+                       const py::object& lm_head, bool norm_before_residual) {
              MOESPEC_CHECK_ARG(qk_norm >= 0 && qk_norm <= 2, "qk_norm", "expected 0, 1 or 2, got ", qk_norm);
              DecoderShape s;
              s.hidden = hidden, s.num_heads = num_heads, s.num_kv_heads = num_kv_heads, s.head_dim = head_dim;
@@ -69,6 +70,7 @@ void bind_decoder_step(py::module_& m) {
              s.router.family = static_cast<RouterFamily>(family);
              s.router.top_k = top_k, s.router.renormalize = renormalize;
              s.weights_in_model_dtype = weights_in_model_dtype, s.softmax_vector_width = softmax_vector_width;
+             s.norm_before_residual = norm_before_residual;
              std::vector<DecoderLayerViews> views;
              for (std::size_t i = 0; i < layers.size(); ++i) views.push_back(layer_views(layers[i].cast<py::dict>(), i));
              return new DecoderModel(s, std::move(views), to_view(final_norm, "final_norm"),
@@ -78,13 +80,14 @@ void bind_decoder_step(py::module_& m) {
            py::arg("eps"), py::arg("qk_norm"), py::arg("clip_qkv"), py::arg("num_experts"),
            py::arg("expert_intermediate"), py::arg("family"), py::arg("top_k"), py::arg("renormalize"),
            py::arg("weights_in_model_dtype"), py::arg("softmax_vector_width"), py::arg("layers"),
-           py::arg("final_norm"), py::arg("lm_head"))
+           py::arg("final_norm"), py::arg("lm_head"), py::arg("norm_before_residual") = false)
       .def(
           "step",
           [](DecoderModel& model, const py::object& x, const py::object& cos, const py::object& sin,
              const py::object& k_cache, const py::object& v_cache, const py::object& offsets, const py::object& start,
              const py::object& mask, const py::object& taps, const py::object& tap_out, const py::object& logit_rows,
-             const py::object& logits, const py::object& stats, int max_experts, int policy, double coverage) {
+             const py::object& logits, const py::object& stats, int max_experts, int policy, double coverage,
+             const py::object& slots, const py::object& embed) {
             DecoderStepArgs a;
             a.x = to_view(x, "x");
             a.cos = to_view(cos, "cos");
@@ -99,6 +102,8 @@ void bind_decoder_step(py::module_& m) {
             a.logit_rows = to_view(logit_rows, "logit_rows");
             a.logits = to_view(logits, "logits");
             a.stats = to_view(stats, "stats");
+            a.slots = to_view(slots, "slots");
+            a.embed = to_view(embed, "embed");
             MOESPEC_CHECK_ARG(policy == 0 || policy == 1, "policy", "expected 0 or 1, got ", policy);
             a.budget.max_experts = max_experts;
             a.budget.policy = static_cast<BudgetPolicy>(policy);
@@ -108,10 +113,12 @@ void bind_decoder_step(py::module_& m) {
           },
           "One decode/verify step over packed tokens: x [P, H] in/out, cos/sin [P, D], caches [L, B, Hkv, S, D], "
           "offsets int32 [B+1], start int32 [B], mask int32 [P, W], taps int32 [NT] -> tap_out [NT, P, H], "
-          "logit_rows int32 [R] -> logits [R, V], stats int32 [Lm, 4].",
+          "logit_rows int32 [R] -> logits [R, V], stats int32 [Lm, 4]; optional slots int32 [P] (slot offsets past "
+          "start) and embed [P, H] (layers with an embed_norm).",
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("offsets"),
           py::arg("start"), py::arg("mask"), py::arg("taps"), py::arg("tap_out"), py::arg("logit_rows"),
-          py::arg("logits"), py::arg("stats"), py::arg("max_experts"), py::arg("policy"), py::arg("coverage"))
+          py::arg("logits"), py::arg("stats"), py::arg("max_experts"), py::arg("policy"), py::arg("coverage"),
+          py::arg("slots") = py::none(), py::arg("embed") = py::none())
       .def("set_profiling", &DecoderModel::set_profiling, "Turns per-phase timing of steps on or off.",
            py::arg("on"))
       .def(

@@ -103,7 +103,9 @@ struct DecoderModel::Workspace {
   AlignedBuffer bits;      // model-dtype copies for moe_experts / route_experts (bf16 models)
   AlignedBuffer bits_out;  // moe_experts' output in the model dtype
   AlignedBuffer ids, weights, active;  // routing
-  AlignedBuffer row_req;   // [P] request of each row
+  AlignedBuffer row_req, row_slot;  // [P] request and cache slot of each row
+  AlignedBuffer span;      // [B] slots past start a request's call covers
+  AlignedBuffer e;         // [P, H] fp32 values of the embeddings (layers with an embed_norm)
   AlignedBuffer cos, sin;  // [P, D] fp32 values of the rope tables' rows
   std::vector<std::array<int64_t, 4>> attend_tasks;
 };
@@ -132,7 +134,8 @@ DecoderModel::DecoderModel(const DecoderShape& shape, std::vector<DecoderLayerVi
   for (int64_t i = 0; i < num_layers(); ++i) {
     const DecoderLayerViews& l = layers_[static_cast<std::size_t>(i)];
     check_weight(l.input_norm, "input_norm", i, dtype_, {H});
-    check_weight(l.qkv, "qkv", i, dtype_, {(Hq + 2 * Hkv) * D, H});
+    if (l.embed_norm.defined()) check_weight(l.embed_norm, "embed_norm", i, dtype_, {H});
+    check_weight(l.qkv, "qkv", i, dtype_, {(Hq + 2 * Hkv) * D, l.embed_norm.defined() ? 2 * H : H});
     if (l.qkv_bias.defined()) check_weight(l.qkv_bias, "qkv_bias", i, dtype_, {(Hq + 2 * Hkv) * D});
     if (s.qk_norm == QkNorm::kPerHead) {
       check_weight(l.q_norm, "q_norm", i, dtype_, {D});
@@ -176,6 +179,12 @@ void DecoderModel::derive_from_weights() {
   const DecoderShape& s = shape_;
   widest_out_ = std::max({s.hidden, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.num_experts});
   widest_in_ = std::max(s.hidden, s.num_heads * s.head_dim);
+  embed_input_ = false;
+  for (const DecoderLayerViews& l : layers_)
+    if (l.embed_norm.defined()) {
+      embed_input_ = true;
+      widest_in_ = std::max(widest_in_, 2 * s.hidden);
+    }
   for (const DecoderLayerViews& l : layers_)
     for (const TensorView* down : {&l.shared_down, &l.down})
       if (down->defined()) {
@@ -184,7 +193,8 @@ void DecoderModel::derive_from_weights() {
       }
   norms_.clear();
   for (const DecoderLayerViews& l : layers_)
-    norms_.push_back({values(l.input_norm), values(l.post_norm), values(l.q_norm), values(l.k_norm)});
+    norms_.push_back({values(l.input_norm), values(l.post_norm), values(l.q_norm), values(l.k_norm),
+                      values(l.embed_norm)});
   final_norm_values_ = values(final_norm_);
 }
 
@@ -229,6 +239,7 @@ void project(const Ctx& c, const TensorView& w, const TensorView& bias, const fl
 struct Geometry {
   const int32_t* offsets;  // [B + 1]
   const int32_t* start;    // [B]
+  const int32_t* span;     // [B]: request b's slots of the call lie in [start, start + span)
   const uint32_t* mask;    // [P, W]
   int64_t W, B, S_max;
 };
@@ -240,8 +251,7 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
   const DecoderShape& s = c.s;
   const int64_t D = s.head_dim, Hq = s.num_heads, Hkv = s.num_kv_heads, G = Hq / Hkv;
   const int64_t first = geo.offsets[b], start = geo.start[b];
-  const int64_t n_new = geo.offsets[b + 1] - first;
-  const int64_t S = start + n_new;  // slots [0, S) of this request: committed + its new tokens
+  const int64_t S = start + geo.span[b];  // slots [0, S) of this request: committed + the call's
   const int64_t rows = (t1 - t0) * G;
   const int64_t Dp = round_up(D, kMoeActPad);
   const std::size_t w_size = dtype_size(c.dtype);
@@ -288,7 +298,7 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
         row[j] *= scale;
         m = std::max(m, row[j]);
       }
-      for (int64_t j = start; j < S; ++j) {  // the call's new tokens: by the mask
+      for (int64_t j = start; j < S; ++j) {  // the call's slots: by the mask
         const bool visible = (bits[(j - start) >> 5] >> ((j - start) & 31)) & 1u;
         row[j] = visible ? row[j] * scale : -std::numeric_limits<float>::infinity();
         m = std::max(m, row[j]);
@@ -388,14 +398,38 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   const int32_t* start = a.start.ptr<const int32_t>();
   MOESPEC_CHECK_ARG(offsets[0] == 0 && offsets[B] == P, "offsets", "must run from 0 to P=", P, ", got ", offsets[0],
                     " .. ", offsets[B]);
+  const int32_t* slots = nullptr;
+  if (a.slots.defined()) {
+    check_ndim(a.slots, "slots", 1);
+    check_dim(a.slots, "slots", 0, P);
+    check_dtype(a.slots, "slots", {DType::kInt32});
+    check_contiguous(a.slots, "slots");
+    slots = a.slots.ptr<const int32_t>();
+  }
+  if (embed_input_) {
+    check_not_null(a.embed, "embed");
+    check_ndim(a.embed, "embed", 2);
+    check_dim(a.embed, "embed", 0, P);
+    check_dim(a.embed, "embed", 1, H);
+    check_dtype(a.embed, "embed", {dtype_});
+    check_contiguous(a.embed, "embed");
+  }
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = offsets[b + 1] - offsets[b];
     MOESPEC_CHECK_ARG(n >= 0, "offsets", "must be non-decreasing, got offsets[", b, "]=", offsets[b], " > offsets[",
                       b + 1, "]=", offsets[b + 1]);
-    MOESPEC_CHECK_ARG(start[b] >= 0 && start[b] + n <= S_max, "start", "request ", b, " holds ", start[b],
-                      " tokens; ", n, " more exceed the cache's ", S_max, " slots");
-    MOESPEC_CHECK_ARG(n <= 32 * W, "mask", "request ", b, " has ", n, " new tokens but mask rows hold ", 32 * W,
-                      " bits");
+    int64_t span = n;
+    if (slots != nullptr) {
+      span = 0;
+      for (int64_t p = offsets[b]; p < offsets[b + 1]; ++p) {
+        MOESPEC_CHECK_ARG(slots[p] >= 0, "slots", "row ", p, " has slot offset ", slots[p], " < 0");
+        span = std::max<int64_t>(span, int64_t{slots[p]} + 1);
+      }
+    }
+    MOESPEC_CHECK_ARG(start[b] >= 0 && start[b] + span <= S_max, "start", "request ", b, " holds ", start[b],
+                      " tokens; ", span, " more slots exceed the cache's ", S_max, " slots");
+    MOESPEC_CHECK_ARG(span <= 32 * W, "mask", "request ", b, " writes ", span, " slots past its start but mask rows "
+                      "hold ", 32 * W, " bits");
   }
   int64_t n_taps = 0;
   const int32_t* taps = nullptr;
@@ -449,7 +483,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   const Rounder r = c.r;
   const int64_t widest = widest_out_, widest_in = widest_in_;  // widest projection output / input
   float* x = ws.x.get<float>(P * H);
-  float* h = ws.h.get<float>(P * H);
+  float* h = ws.h.get<float>(P * (embed_input_ ? 2 * H : H));
   float* y = ws.y.get<float>(P * widest);
   float* q = ws.q.get<float>(P * Nq);
   float* o = ws.o.get<float>(P * Nq);
@@ -461,10 +495,22 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   float* sin_v = ws.sin.get<float>(P * D);
   for (int64_t i = 0; i < P * D; ++i) cos_v[i] = load(a.cos, i), sin_v[i] = load(a.sin, i);
   int32_t* row_req = ws.row_req.get<int32_t>(P);
-  for (int64_t b = 0; b < B; ++b)
-    for (int32_t p = offsets[b]; p < offsets[b + 1]; ++p) row_req[p] = static_cast<int32_t>(b);
+  int32_t* row_slot = ws.row_slot.get<int32_t>(P);  // cache slot of each row
+  int32_t* span = ws.span.get<int32_t>(B);
+  for (int64_t b = 0; b < B; ++b) {
+    span[b] = 0;
+    for (int32_t p = offsets[b]; p < offsets[b + 1]; ++p) {
+      const int32_t rel = slots != nullptr ? slots[p] : p - offsets[b];
+      row_req[p] = static_cast<int32_t>(b);
+      row_slot[p] = start[b] + rel;
+      span[b] = std::max(span[b], rel + 1);
+    }
+  }
+  float* e = embed_input_ ? ws.e.get<float>(P * H) : nullptr;
+  if (e != nullptr)
+    for (int64_t i = 0; i < P * H; ++i) e[i] = load(a.embed, i);
 
-  const Geometry geo{offsets, start, reinterpret_cast<const uint32_t*>(a.mask.data), W, B, S_max};
+  const Geometry geo{offsets, start, span, reinterpret_cast<const uint32_t*>(a.mask.data), W, B, S_max};
   const std::size_t w_size = dtype_size(dtype_);
   const std::size_t layer_elems = static_cast<std::size_t>(B * Hkv * S_max * D);
   ThreadPool& pool = ThreadPool::instance();
@@ -481,7 +527,15 @@ void DecoderModel::step(const DecoderStepArgs& a) {
     const DecoderLayerViews& l = layers_[static_cast<std::size_t>(li)];
     // attention
     const LayerNorms& norms = norms_[static_cast<std::size_t>(li)];
-    for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, norms.input.data(), s.rms_norm_eps, r, h + p * H);
+    if (l.embed_norm.defined()) {  // EAGLE-3: q/k/v from cat(embed_norm(e), input_norm(x)) [P, 2H]
+      for (int64_t p = 0; p < P; ++p) {
+        rms_norm(e + p * H, H, norms.embed.data(), s.rms_norm_eps, r, h + p * 2 * H);
+        rms_norm(x + p * H, H, norms.input.data(), s.rms_norm_eps, r, h + p * 2 * H + H);
+        if (s.norm_before_residual) std::memcpy(x + p * H, h + p * 2 * H + H, static_cast<std::size_t>(H) * 4);
+      }
+    } else {
+      for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, norms.input.data(), s.rms_norm_eps, r, h + p * H);
+    }
     clock.mark(kNorm);
     const int64_t Nqkv = Nq + 2 * Nkv;
     project(c, l.qkv, l.qkv_bias, h, P, act, y);
@@ -516,7 +570,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       for (int64_t hh = 0; hh < Hkv; ++hh) rope(kp + hh * D);
       std::memcpy(q + p * Nq, qp, static_cast<std::size_t>(Nq) * 4);
       const int64_t b = row_req[p];
-      const int64_t slot = start[b] + (p - offsets[b]);
+      const int64_t slot = row_slot[p];
       for (int64_t g = 0; g < Hkv; ++g) {
         const std::size_t at = static_cast<std::size_t>(((b * Hkv + g) * S_max + slot) * D);
         for (int64_t d = 0; d < D; ++d) {

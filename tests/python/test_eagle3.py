@@ -1,6 +1,7 @@
 """moespec.spec.eagle3 against a plain-torch EAGLE-3 layer written out below (fp32, within 1e-5).
 
-- the head's forward (batched, padded requests; both residual variants) equals the reference;
+- the head's forward (batched, padded requests; both residual variants) equals the reference, through
+  the native step (a one-layer DecoderModel with an embed_norm) and through the torch ops;
 - catch-up in two chunks, then three tree-expansion steps through the cache, then another catch-up
   that overwrites the expansion scratch, equal one cache-free forward of all those rows;
 - the training-time-test forward equals the cached inference path (catch-up, then a chain);
@@ -112,11 +113,26 @@ def _config(target_config, **kw):
     return Eagle3Config(**{**base, **kw})
 
 
-def _head(target, w, **kw) -> Eagle3Head:
+def _head(target, w, native_step=True, **kw) -> Eagle3Head:
     cfg = _config(target.config, **kw)
     head = Eagle3Head(cfg, target.weights.embed, w.get("d2t"))
     head.load_state_dict({k: v for k, v in w.items()}, strict=False)
+    head.native_step = native_step
     return head.eval()
+
+
+class NativeCalls:
+    """Counts the head forwards that ran in the native step (not the torch fallback)."""
+
+    def __init__(self, head):
+        self.count, inner = 0, head._native_forward
+
+        def wrapped(*args):
+            out = inner(*args)
+            self.count += out is not None
+            return out
+
+        head._native_forward = wrapped
 
 
 def _features(B, T, seed=1):
@@ -131,10 +147,12 @@ def _tokens(B, T, seed=2):
 # ---- forward ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("native_step", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_forward_matches_reference(target, norm_first):
+def test_forward_matches_reference(target, norm_first, native_step):
     w = _weights()
-    head = _head(target, w, norm_before_residual=norm_first)
+    head = _head(target, w, native_step, norm_before_residual=norm_first)
+    calls = NativeCalls(head)
     num = [7, 1, 4]  # padded batch
     B, T = len(num), max(num)
     tokens, feats = _tokens(B, T), _features(B, T)
@@ -153,6 +171,32 @@ def test_forward_matches_reference(target, norm_first):
     again = head(head.new_cache(B, 11), tokens, torch.cat(feats, -1), positions=step.positions, slots=step.slots,
                  visible=step.visible)
     assert torch.equal(again.logits, out.logits)
+    assert calls.count == (2 if native_step else 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_native_step_matches_torch_ops_in_bf16(target, seed):
+    """bf16: the native step rounds where the torch ops round; attention sums in another order, so
+    values agree within a few bf16 steps of the output scale (2^-8 relative each)."""
+    w = {k: v.bfloat16() if v.is_floating_point() else v for k, v in _weights(seed=seed).items()}
+    heads = [_head(target, w, native) for native in (True, False)]
+    for head in heads:
+        head.to(torch.bfloat16)
+    calls = NativeCalls(heads[0])
+    num = [5, 3]
+    B, T = len(num), max(num)
+    tokens, feats = _tokens(B, T, seed=seed), tuple(f.bfloat16() for f in _features(B, T, seed=seed))
+    outs = []
+    for head in heads:
+        cache = head.new_cache(B, 16)
+        step = cache.append_inputs(num)
+        outs.append(head(cache, tokens, feats, positions=step.positions, slots=step.slots, visible=step.visible))
+    assert calls.count == 1
+    for b, n in enumerate(num):
+        for what in ("logits", "hidden"):
+            got, want = getattr(outs[0], what)[b, :n].float(), getattr(outs[1], what)[b, :n].float()
+            scale = max(want.abs().max().item(), 1.0)
+            assert (got - want).abs().max().item() <= 4 * 2**-8 * scale, what
 
 
 class Recorder:
@@ -185,12 +229,14 @@ class Recorder:
             _close(torch.stack([r["hidden"] for r in rows]), hidden, f"hidden {b}")
 
 
-def test_catch_up_expansion_catch_up_equals_one_pass(target):
+@pytest.mark.parametrize("native_step", [True, False], ids=["native", "torch"])
+def test_catch_up_expansion_catch_up_equals_one_pass(target, native_step):
     """Two requests: catch-up in two chunks, three expansion steps of K = 2 frontier nodes in scratch
     slots (EAGLE's growing ancestor mask, positions n - 1 + depth), then a catch-up that overwrites
     the scratch: every row equals one cache-free pass over all rows with the mask they saw."""
     w = _weights(seed=3)
-    head = _head(target, w)
+    head = _head(target, w, native_step)
+    calls = NativeCalls(head)
     B, K, depth = 2, 2, 3
     g = torch.Generator().manual_seed(4)
     cache = head.new_cache(B, 32)
@@ -227,6 +273,7 @@ def test_catch_up_expansion_catch_up_equals_one_pass(target):
     catch_up([3, 1])
     assert cache.lengths == [11, 9]
     run.check(w, target.weights.embed)
+    assert calls.count == (6 if native_step else 0)
 
 
 def test_ttt_forward_equals_cached_inference(target):

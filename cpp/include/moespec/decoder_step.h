@@ -20,10 +20,17 @@
 // count, so a verify pass gives the same bits as decoding the same tokens one by one.
 //
 // Tokens are packed (no padding): the P tokens of the call are grouped by request; request b owns
-// rows [offsets[b], offsets[b + 1]) and its n_b new tokens go to cache slots start[b] + j. Token j
-// of request b sees the committed slots [0, start[b]) and the new tokens i whose bit (i % 32) of
-// word i / 32 of mask row j is set (ancestor-or-self rows for a tree; i <= j for a sequence): the
-// draft tree's packed mask (draft_tree.h) as it is.
+// rows [offsets[b], offsets[b + 1]) and its n_b new tokens go to cache slots start[b] + j (or
+// start[b] + slots[p] when slots are given). Token p of request b sees the committed slots
+// [0, start[b]) and the slots start[b] + i whose bit (i % 32) of word i / 32 of mask row p is set
+// (ancestor-or-self rows for a tree; i <= j for a sequence): the draft tree's packed mask
+// (draft_tree.h) as it is. Bits at or past the request's highest slot written in the call are
+// ignored.
+//
+// The same step runs EAGLE-3's draft layer (python/moespec/spec/eagle3.py, the midlayer): a layer
+// with an embed_norm projects q/k/v from cat(embed_norm(e), input_norm(x)) [2H], e the tokens'
+// embeddings (args.embed), and keeps x (or input_norm(x) with norm_before_residual) as its
+// residual; the draft's scratch slots are the explicit slots.
 //
 // Dimensions: P tokens, B requests, L layers, H hidden, Hq/Hkv query/key-value heads, D head dim,
 // S_max cache slots, W mask words, E experts, K top-k, I (expert) intermediate, Is shared
@@ -57,13 +64,15 @@ struct DecoderShape {
   RouterSpec router;
   bool weights_in_model_dtype = false;  // routing weights rounded to the model dtype (Qwen3, OLMoE)
   int32_t softmax_vector_width = 16;    // route_experts' rounding (route_experts.h)
+  bool norm_before_residual = false;    // layers with an embed_norm: the residual is input_norm(x), not x
 };
 
 // One layer's weights in the runtime layout (python/moespec/models/weights.py); absent views are
 // default-constructed. All in the model dtype (float32 or bfloat16), contiguous, on the CPU.
 struct DecoderLayerViews {
   TensorView input_norm;  // [H]
-  TensorView qkv;         // [(Hq + 2 Hkv) D, H]
+  TensorView embed_norm;  // [H] (optional): q/k/v from cat(embed_norm(embed), input_norm(x)) (EAGLE-3)
+  TensorView qkv;         // [(Hq + 2 Hkv) D, H], or [(Hq + 2 Hkv) D, 2 H] with an embed_norm
   TensorView qkv_bias;    // [(Hq + 2 Hkv) D] (optional)
   TensorView q_norm;      // [D] per-head or [Hq D] full (with qk_norm)
   TensorView k_norm;      // [D] or [Hkv D]
@@ -87,7 +96,9 @@ struct DecoderStepArgs {
   TensorView v_cache;  // in/out [L, B, Hkv, S_max, D]
   TensorView offsets;  // [B + 1] int32: request b's rows are [offsets[b], offsets[b + 1])
   TensorView start;    // [B] int32: committed tokens of request b (its new tokens' first slot)
-  TensorView mask;     // [P, W] int32: bit i of row p = p sees its request's new token i
+  TensorView mask;     // [P, W] int32: bit i of row p = p sees its request's slot start[b] + i
+  TensorView slots;    // [P] int32 (optional): token p's slot is start[b] + slots[p]; default p - offsets[b]
+  TensorView embed;    // [P, H] model dtype: the tokens' embeddings (needed by layers with an embed_norm)
   TensorView taps;     // [NT] int32: layers whose output residual is copied out (optional)
   TensorView tap_out;  // out [NT, P, H] model dtype
   TensorView logit_rows;  // [R] int32: rows of x whose logits are computed
@@ -130,7 +141,7 @@ class DecoderModel {
  private:
   struct Workspace;
   struct LayerNorms {  // fp32 values of a layer's norm weights (empty when absent)
-    std::vector<float> input, post, q, k;
+    std::vector<float> input, post, q, k, embed;
   };
   void derive_from_weights();  // norms_, final_norm_values_, widest_*_: computed once
 
@@ -142,6 +153,7 @@ class DecoderModel {
   std::vector<LayerNorms> norms_;
   std::vector<float> final_norm_values_;
   int64_t widest_out_ = 0, widest_in_ = 0;  // widest projection output / input over the layers
+  bool embed_input_ = false;                // some layer has an embed_norm (the step needs args.embed)
   std::unique_ptr<Workspace> ws_;
   std::mutex step_mutex_;  // one step at a time: the workspace is shared
   bool profiling_ = false;

@@ -55,9 +55,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 from torch import nn
 
+from moespec._loader import native
+from moespec._tensor import view
 from moespec.models.config import ModelConfig, RawConfig, RopeConfig, parse_rope
 from moespec.models.runtime import TargetModel, rms_norm, rotate
 from moespec.ops.linear import linear
+from moespec.ops.routing import softmax_vector_width
+from moespec.runtime.state import RopeTable
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -434,6 +438,8 @@ class Eagle3Head(nn.Module):
         # float32 [D/2]; a plain attribute, not a buffer, so that module.to(bf16) cannot round it
         self._inv_freq = c.rope.inv_freq(c.head_dim)
         self._fused_weights: dict[str, tuple] = {}  # inference copies of q/k/v and gate/up, see _fused
+        self._native: Optional[tuple] = None  # (weights key, DecoderModel, RopeTable), see _native_model
+        self.native_step = True  # inference on the CPU through the native step (False: the torch ops)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -507,7 +513,12 @@ class Eagle3Head(nn.Module):
                              f"{visible.dtype} {tuple(visible.shape)}")
         if int(slots.max()) >= cache.max_len:
             raise ValueError(f"forward: slot {int(slots.max())} is outside the cache (max_len={cache.max_len})")
-        residual, x = self._inputs(tokens, self._features(hidden, allow_own=True))
+        h = self._features(hidden, allow_own=True)
+        if self.native_step and cache.k.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            out = self._native_forward(cache, tokens, h, positions, slots, visible)
+            if out is not None:
+                return out
+        residual, x = self._inputs(tokens, h)
         q, k, v = self._qkv(x, positions)  # [B, Hq, T, D], [B, Hkv, T, D] x2
         rows, cols = (slots >= 0).nonzero(as_tuple=True)
         cache.k[rows, :, slots[rows, cols]] = k[rows, :, cols]
@@ -617,6 +628,77 @@ class Eagle3Head(nn.Module):
             cached = (key, torch.cat([p.weight.detach() for p in projections]).contiguous())
             self._fused_weights[name] = cached
         return cached[1]
+
+    def _native_model(self):
+        """The layer as a one-layer ``moespec._native.DecoderModel`` (cpp/include/moespec/decoder_step.h:
+        a layer with an embed_norm), made again whenever a parameter changes, with its rope table."""
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        if self._native is None or self._native[0] != key:
+            c, m = self.config, self.midlayer
+            a = m.self_attn
+            layer = {"input_norm": m.hidden_norm.weight, "embed_norm": m.input_layernorm.weight,
+                     "qkv": self._fused("qkv", a.q_proj, a.k_proj, a.v_proj), "o": a.o_proj.weight,
+                     "post_norm": m.post_attention_layernorm.weight,
+                     "gate_up": self._fused("gate_up", m.mlp.gate_proj, m.mlp.up_proj), "down": m.mlp.down_proj.weight}
+            decoder = native().DecoderModel(
+                hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                vocab=c.draft_vocab_size, eps=float(c.rms_norm_eps), qk_norm=0, clip_qkv=0.0, num_experts=0,
+                expert_intermediate=0, family=0, top_k=1, renormalize=False, weights_in_model_dtype=False,
+                softmax_vector_width=softmax_vector_width(),
+                layers=[{k: view(v.detach(), k) for k, v in layer.items()}],
+                final_norm=view(self.norm.weight.detach(), "final_norm"),
+                lm_head=view(self.lm_head.weight.detach(), "lm_head"), norm_before_residual=c.norm_before_residual)
+            rope = RopeTable(self._inv_freq.cpu(), self.dtype, min(c.max_position_embeddings, 4096))
+            self._native = (key, decoder, rope)
+        return self._native[1], self._native[2]
+
+    def _native_forward(self, cache: DraftCache, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+                        slots: torch.Tensor, visible: torch.Tensor) -> Optional[DraftOutput]:
+        """:meth:`forward` in one native call over the packed entries (padding, slot -1, skipped), or None
+        when ``visible`` is not of the native step's form: each entry sees its request's whole accepted
+        prefix [0, lengths[b]), slots past it by a bit mask, and at least one slot."""
+        B, T = tokens.shape
+        S = visible.shape[-1]
+        start = torch.tensor(cache.lengths)  # [B]
+        valid = slots >= 0  # [B, T]
+        prefix = torch.arange(S)[None, :] < start[:, None]  # [B, S]
+        if not bool(((visible | ~prefix[:, None, :]).all(-1) & visible.any(-1) | ~valid).all()):
+            return None
+        if bool(((slots < start[:, None]) & valid).any()):
+            return None
+        rows, cols = valid.nonzero(as_tuple=True)  # packed entries, request by request
+        counts = valid.sum(1)
+        offsets = torch.zeros(B + 1, dtype=torch.int32)
+        offsets[1:] = counts.cumsum(0)
+        width = max(1, int((S - start).clamp_min(0).max()))
+        W = (width + 31) // 32
+        # mask bit i of an entry = it sees slot lengths[b] + i
+        shifted = torch.arange(32 * W)[None, :] + start[:, None]  # [B, 32 W]
+        bits = visible.gather(2, shifted.clamp_max(S - 1)[:, None, :].expand(B, T, 32 * W))
+        bits &= (shifted < S)[:, None, :]
+        words = (bits[rows, cols].view(-1, W, 32).long() << torch.arange(32)).sum(-1)  # [P, W]
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        decoder, rope = self._native_model()
+        P = rows.shape[0]
+        x = h[rows, cols].to(self.dtype).contiguous()  # [P, H] in/out: the residual
+        embed = self.embed.index_select(0, tokens[rows, cols])  # [P, H]
+        cos, sin = rope.lookup(positions[rows, cols])
+        rel = (slots[rows, cols] - start[rows]).to(torch.int32)
+        logit_rows = torch.arange(P, dtype=torch.int32)
+        logits = torch.empty(P, self.config.draft_vocab_size, dtype=self.dtype)
+        start32 = start.to(torch.int32)  # (locals: alive while the native call reads them)
+        decoder.step(view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k.unsqueeze(0), "k_cache"),
+                     view(cache.v.unsqueeze(0), "v_cache"), view(offsets, "offsets"),
+                     view(start32, "start"), view(words, "mask"), None, None,
+                     view(logit_rows, "logit_rows"), view(logits, "logits"), None, 0, 0, 0.0,
+                     slots=view(rel, "slots"), embed=view(embed, "embed"))
+        if P == B * T:
+            return DraftOutput(logits=logits.float().view(B, T, -1), hidden=x.view(B, T, -1))
+        out_logits = logits.new_zeros(B, T, logits.shape[-1], dtype=torch.float32)
+        out_hidden = x.new_zeros(B, T, x.shape[-1])
+        out_logits[rows, cols] = logits.float()
+        out_hidden[rows, cols] = x
+        return DraftOutput(logits=out_logits, hidden=out_hidden)
 
     def _chain_attention(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                          causal: torch.Tensor) -> torch.Tensor:
