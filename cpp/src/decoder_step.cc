@@ -208,15 +208,21 @@ struct Ctx {
   Rounder r;
 };
 
-// fp32 values [T, K] (row stride ld) -> the product's activation rows (bf16 bits or fp32).
-void stage_values(const Ctx& c, const float* x, int64_t ld, int64_t T, int64_t K, void* dst) {
+// fp32 values [T, K] (row stride ld) -> activation rows (bf16 bits or fp32, in the staged layout)
+// for the product with weights of dtype w_dtype.
+void stage_values(const Ctx& c, DType w_dtype, const float* x, int64_t ld, int64_t T, int64_t K, void* dst) {
   const int64_t Kp = round_up(K, kMoeActPad);
-  const bool act_bf16 = c.dtype == DType::kBFloat16 && c.k.bf16_act == DType::kBFloat16;
+  const bool act_bf16 = w_dtype == DType::kBFloat16 && c.k.bf16_act == DType::kBFloat16;
+  const bool even_odd = staged_position(c.k, w_dtype, 1) != 1;
   for (int64_t t = 0; t < T; ++t) {
     if (act_bf16) {
       uint16_t* row = static_cast<uint16_t*>(dst) + t * Kp;
       for (int64_t i = 0; i < K; ++i) row[i] = detail::float_to_bf16(x[t * ld + i]);
       std::fill(row + K, row + Kp, uint16_t{0});
+    } else if (even_odd) {
+      float* row = static_cast<float*>(dst) + t * Kp;
+      std::fill(row, row + Kp, 0.0f);
+      for (int64_t i = 0; i < K; ++i) row[staged_position(c.k, w_dtype, i)] = x[t * ld + i];
     } else {
       float* row = static_cast<float*>(dst) + t * Kp;
       std::memcpy(row, x + t * ld, static_cast<std::size_t>(K) * 4);
@@ -229,7 +235,7 @@ void stage_values(const Ctx& c, const float* x, int64_t ld, int64_t T, int64_t K
 void project(const Ctx& c, const TensorView& w, const TensorView& bias, const float* x, int64_t T, char* act,
              float* y) {
   const int64_t N = w.shape[0], K = w.shape[1];
-  stage_values(c, x, K, T, K, act);
+  stage_values(c, w.dtype, x, K, T, K, act);
   cpu::linear_staged(c.k, c.dtype, w.data, N, K, bias.defined() ? bias.data : nullptr, bias.dtype, act, T, y, N);
   if (c.r.bf16)
     for (int64_t i = 0; i < T * N; ++i) y[i] = c.r(y[i]);
@@ -266,7 +272,6 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
       std::memcpy(qrows + ((t - t0) * G + hg) * D, q + (first + t) * Hq * D + (g * G + hg) * D,
                   static_cast<std::size_t>(D) * 4);
   char* a = act.get<char>(rows * Dp * 4);
-  stage_values(c, qrows, D, rows, D, a);
   // The head's keys and values as fp32 once per task (bf16 caches): every token row of the task
   // then runs the fp32 products on them instead of converting each cache row again.
   const void* keys = kb;
@@ -282,6 +287,7 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
     vals = kf + S * D;
     f32 = true;
   }
+  stage_values(c, f32 ? DType::kFloat32 : DType::kBFloat16, qrows, D, rows, D, a);
   float* sc = scores.get<float>(rows * S);
   (f32 ? c.k.matmul_f32 : c.k.matmul_bf16)(keys, D, S, a, Dp, nullptr, rows, D, sc, S);
 

@@ -183,6 +183,12 @@ void stage_activations(const MoeExpertKernels& kernels, DType w_dtype, const voi
       std::fill(row + K, row + Kp, uint16_t{0});
     } else {
       float* row = static_cast<float*>(dst) + t * Kp;
+      if (bf16 && kernels.bf16_act_even_odd) {
+        const uint16_t* src = static_cast<const uint16_t*>(x) + t * ld;
+        std::fill(row, row + Kp, 0.0f);
+        for (int64_t i = 0; i < K; ++i) row[staged_position(kernels, w_dtype, i)] = detail::bf16_to_float(src[i]);
+        continue;
+      }
       if (bf16) {
         const uint16_t* src = static_cast<const uint16_t*>(x) + t * ld;
         for (int64_t i = 0; i < K; ++i) row[i] = detail::bf16_to_float(src[i]);
@@ -238,6 +244,8 @@ struct Problem {
   MoeMatmulNt matmul;   // the ISA's product for the experts' dtype
   bool bf16;            // bf16 weights, x and out
   bool act_bf16;        // activations (xa, hbuf) stored as bf16 bits, else fp32
+  const MoeExpertKernels* kernels;  // (staged_position of hbuf's elements)
+  DType w_dtype;
   int64_t T, H, I, Hp, Ip;  // Hp, Ip: H, I rounded up to kMoeActPad (activation row strides)
   const char* experts;  // base of experts, bytes
   std::size_t w_size;   // bytes per weight element
@@ -285,13 +293,16 @@ void gate_up_task(const Problem& p, int32_t e, int64_t j0, int64_t j1) {
         uv += bu[j0 + j];
       }
       const float h = activate(p, gv, uv);
-      if (p.act_bf16) static_cast<uint16_t*>(p.hbuf)[row + j0 + j] = detail::float_to_bf16(h);
-      else if (p.bf16) static_cast<float*>(p.hbuf)[row + j0 + j] = detail::bf16_to_float(detail::float_to_bf16(h));
-      else static_cast<float*>(p.hbuf)[row + j0 + j] = h;
+      const int64_t at = row + staged_position(*p.kernels, p.w_dtype, j0 + j);  // (a tile's blocks of 16 are its own)
+      if (p.act_bf16) static_cast<uint16_t*>(p.hbuf)[at] = detail::float_to_bf16(h);
+      else if (p.bf16) static_cast<float*>(p.hbuf)[at] = detail::bf16_to_float(detail::float_to_bf16(h));
+      else static_cast<float*>(p.hbuf)[at] = h;
     }
     if (j1 == p.I) {  // the last tile zeroes the row's padding
       if (p.act_bf16) std::fill_n(static_cast<uint16_t*>(p.hbuf) + row + p.I, p.Ip - p.I, uint16_t{0});
-      else std::fill_n(static_cast<float*>(p.hbuf) + row + p.I, p.Ip - p.I, 0.0f);
+      else
+        for (int64_t j = p.I; j < p.Ip; ++j)
+          static_cast<float*>(p.hbuf)[row + staged_position(*p.kernels, p.w_dtype, j)] = 0.0f;
     }
   }
 }
@@ -390,6 +401,8 @@ void moe_experts_with(const MoeExpertsArgs& args, const MoeExpertKernels& kernel
   Problem p{};
   p.bf16 = bf16;
   p.act_bf16 = bf16 && kernels.bf16_act == DType::kBFloat16;
+  p.kernels = &kernels;
+  p.w_dtype = args.experts.dtype;
   p.matmul = bf16 ? kernels.matmul_bf16 : kernels.matmul_f32;
   p.T = T, p.H = H, p.I = I;
   p.Hp = round_up(H, kMoeActPad), p.Ip = round_up(I, kMoeActPad);

@@ -70,6 +70,27 @@ struct Ops8 {
   static __m256 load_a(const float* p) { return _mm256_load_ps(p); }
 };
 
+// bf16 weight rows, 16 elements a step: one 256-bit load, widened exactly into the even elements
+// (a shift) and the odd ones (an AND: a bf16 is the high half of its fp32), to be multiplied with
+// activations staged even-odd (kMoeExperts.bf16_act_even_odd, staged_position).
+struct OpsBf16Pairs {
+  using W = uint16_t;
+  using A = float;
+  static constexpr int64_t kStep = 16;
+  static void load_w2(const uint16_t* p, __m256& even, __m256& odd) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  // The first n < 16 elements, zero-extended (no read past them).
+  static void load_w2_tail(const uint16_t* p, int64_t n, __m256& even, __m256& odd) {
+    uint16_t tmp[16] = {};
+    std::memcpy(tmp, p, static_cast<std::size_t>(n) * sizeof(uint16_t));
+    load_w2(tmp, even, odd);
+  }
+  static __m256 load_a(const float* p) { return _mm256_load_ps(p); }
+};
+
 // A tile computes c[n * ldc + r] for R weight rows w[r] and TN activation rows x[n] over K.
 // Canonical order of one element: K is cut into chunks of 8 (the last one zero-extended), all
 // multiplied into one accumulator in chunk order; the result is its lane sum (hsum4). Per chunk a
@@ -108,11 +129,21 @@ struct Tile {
   // zero-padded).
   template <int R, int TN>
   static inline void step(__m256 (&acc)[R][TN], const W* const* w, const A* const* x, int64_t k, int64_t valid) {
-    __m256 a[TN];
-    for (int n = 0; n < TN; ++n) a[n] = Ops::load_a(x[n] + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 wr = valid == Ops::kStep ? Ops::load_w(w[r] + k) : Ops::load_w_tail(w[r] + k, valid);
-      for (int n = 0; n < TN; ++n) acc[r][n] = _mm256_fmadd_ps(wr, a[n], acc[r][n]);
+    if constexpr (Ops::kStep == 16) {  // even-odd pairs: the even half first, then the odd half
+      for (int r = 0; r < R; ++r) {
+        __m256 we, wo;
+        if (valid == Ops::kStep) Ops::load_w2(w[r] + k, we, wo);
+        else Ops::load_w2_tail(w[r] + k, valid, we, wo);
+        for (int n = 0; n < TN; ++n) acc[r][n] = _mm256_fmadd_ps(we, Ops::load_a(x[n] + k), acc[r][n]);
+        for (int n = 0; n < TN; ++n) acc[r][n] = _mm256_fmadd_ps(wo, Ops::load_a(x[n] + k + 8), acc[r][n]);
+      }
+    } else {
+      __m256 a[TN];
+      for (int n = 0; n < TN; ++n) a[n] = Ops::load_a(x[n] + k);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wr = valid == Ops::kStep ? Ops::load_w(w[r] + k) : Ops::load_w_tail(w[r] + k, valid);
+        for (int n = 0; n < TN; ++n) acc[r][n] = _mm256_fmadd_ps(wr, a[n], acc[r][n]);
+      }
     }
   }
 };
@@ -222,8 +253,8 @@ void accumulate_nn_bf16(const void* w, int64_t ldw, int64_t S, int64_t N, const 
   accumulate_nn<uint16_t>(w, ldw, S, N, a, lda, n_tok, c, ldc);
 }
 
-const MoeExpertKernels kMoeExperts = {matmul_nt<Ops8<float>>, matmul_nt<Ops8<uint16_t>>, accumulate_nn_f32,
-                                      accumulate_nn_bf16, exp_sum, DType::kFloat32, "avx2"};
+const MoeExpertKernels kMoeExperts = {matmul_nt<Ops8<float>>, matmul_nt<OpsBf16Pairs>, accumulate_nn_f32,
+                                      accumulate_nn_bf16, exp_sum, DType::kFloat32, "avx2", true};
 
 }  // namespace avx2
 }  // namespace cpu

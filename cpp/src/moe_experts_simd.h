@@ -57,7 +57,20 @@ struct MoeExpertKernels {
   // fp32 copies of the bf16-rounded values).
   DType bf16_act;
   const char* name;
+  // fp32 activations for matmul_bf16 stored even-odd: within each block of 16 elements, the 8 even
+  // ones first, then the 8 odd ones (AVX2 widens 16 bf16 weights into those two vectors with one
+  // AND and one shift). See staged_position.
+  bool bf16_act_even_odd = false;
 };
+
+// Where element i of an activation row goes when staged for the product of `kernels` with weights
+// of dtype `w_dtype` (every staging site writes through this: stage_activations, moe_experts'
+// intermediate rows, the native decoder step).
+inline int64_t staged_position(const MoeExpertKernels& kernels, DType w_dtype, int64_t i) {
+  if (!kernels.bf16_act_even_odd || w_dtype != DType::kBFloat16) return i;
+  const int64_t j = i & 15;
+  return (i & ~int64_t{15}) + (j >> 1) + ((j & 1) << 3);
+}
 
 // The table for `isa` (for avx512: the AVX512_BF16 variant when the CPU has it).
 const MoeExpertKernels& moe_expert_kernels(CpuIsa isa);
