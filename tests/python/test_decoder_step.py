@@ -275,3 +275,32 @@ def test_steps_from_two_threads_are_serialized(pairs):
         t.join()
     for i in range(2):
         assert all(torch.equal(a, b) for a, b in zip(got[i], want[i]))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), top_k=st.integers(1, 3), depth=st.integers(1, 4), total=st.integers(1, 40))
+def test_verify_trees_equals_verify_of_their_lists(pairs, seed, top_k, depth, total):
+    """verify_trees reads the draft trees' own tensors (packed masks, depths): the same logits, taps,
+    stats and pending tree as verify of their token and parent lists, on both backends; a None tree
+    adds no tokens."""
+    from moespec.spec.tree import TreeBuilder
+
+    g = torch.Generator().manual_seed(seed)
+    builder = TreeBuilder(3, depth=depth, top_k=top_k, total_tokens=total)
+    builder.expand_root(torch.randint(0, V, (3,), generator=g), torch.randint(0, V, (3, top_k), generator=g),
+                        -torch.rand(3, top_k, generator=g))
+    while builder.can_expand:
+        builder.expand(torch.randint(0, V, (3, top_k, top_k), generator=g), -torch.rand(3, top_k, top_k, generator=g))
+    trees = [t.clone() for t in builder.finalize()]
+    trees[1] = None
+    for model in pairs["qwen2_moe", "fp32"]:
+        caches = [model.new_cache(3, 128) for _ in range(2)]
+        for c in caches:
+            model.prefill(c, [_prompt(5, 1), _prompt(3, 2), _prompt(9, 3)])
+        a = model.verify_trees(caches[0], trees, budget=ExpertBudget(4))
+        b = model.verify(caches[1], [t.tokens.tolist() if t is not None else [] for t in trees],
+                         [t.parents.tolist() if t is not None else [] for t in trees], budget=ExpertBudget(4))
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.expert_stats, b.expert_stats)
+        assert all(torch.equal(x, y) for x, y in zip(a.hidden, b.hidden))
+        assert caches[0].pending.parents == caches[1].pending.parents
+        assert torch.equal(caches[0].k, caches[1].k)

@@ -19,7 +19,7 @@ and key/value heads, D head dim, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Literal, Optional, Sequence
 
 import os
 
@@ -31,6 +31,9 @@ from moespec.models.moe import MOE_IMPLS
 from moespec.models.weights import ModelWeights
 from moespec.ops import ExpertBudget
 from moespec.runtime.backend import BACKENDS, ForwardOutput, make_backend, rms_norm, rotate
+
+if TYPE_CHECKING:
+    from moespec.spec.tree import DraftTree
 
 __all__ = ["ForwardOutput", "TargetModel", "rms_norm", "rotate"]
 
@@ -159,6 +162,37 @@ class TargetModel:
                     raise ValueError(f"verify: tree {b}: node {i} has parent {p}; parents must be earlier nodes")
         out = self.backend.forward(cache, seqs, parent_lists, budget, last_only=False)
         cache.pending = PendingTree(parent_lists)
+        return out
+
+    @torch.inference_mode()
+    def verify_trees(self, cache: KVCache, trees: Sequence[Optional["DraftTree"]], *,
+                     budget: Optional[ExpertBudget] = None) -> ForwardOutput:
+        """:meth:`verify` of one :class:`moespec.spec.tree.DraftTree` per request (None: no tokens for
+        that request), from the trees' own tensors: their packed ancestor masks and depths go to the
+        native step as they are (the contract guarantees the structure; token ids and the cache's
+        room are checked here). Call :meth:`commit` next."""
+        from moespec.runtime.state import tree_geometry
+
+        if cache.pending is not None:
+            raise ValueError("a verified tree is pending: call commit before the next forward call")
+        if len(trees) != cache.batch:
+            raise ValueError(f"verify_trees: got {len(trees)} trees, the cache holds {cache.batch} requests")
+        V = self.config.vocab_size
+        seqs, parents = [], []
+        for b, tree in enumerate(trees):
+            n = tree.num_nodes if tree is not None else 0
+            if n and (int(tree.tokens.min()) < 0 or int(tree.tokens.max()) >= V):
+                raise ValueError(f"verify_trees: tree {b} has token ids outside the vocabulary [0, {V})")
+            if cache.lengths[b] + n > cache.max_len:
+                raise ValueError(f"cache overflow: request {b} holds {cache.lengths[b]} tokens, {n} more exceed "
+                                 f"max_len={cache.max_len} (make the cache with a larger max_len)")
+            seqs.append(tree.tokens.tolist() if n else [])
+            parents.append(tree.parents.tolist() if n else [])
+        if not any(seqs):
+            raise ValueError("verify_trees: no tokens to run")
+        out = self.backend.forward(cache, seqs, parents, budget, last_only=False,
+                                   geo=tree_geometry(trees, cache.lengths))
+        cache.pending = PendingTree(parents)
         return out
 
     def commit(self, cache: KVCache, accepted: Sequence[Sequence[int]]) -> None:

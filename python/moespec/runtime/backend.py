@@ -13,8 +13,9 @@ environment variable MOESPEC_BACKEND; DESIGN.md "The next phase": one backend ch
   reference the native step is tested against; with ``moe_impl="reference"`` its bf16 prefill is
   bit-identical to transformers.
 
-A backend's ``forward(cache, seqs, parents, budget, last_only)`` runs new tokens ``seqs[b]`` of
-request b at slots ``cache.lengths[b] + j`` (a tree when ``parents`` is given) and returns a
+A backend's ``forward(cache, seqs, parents, budget, last_only, geo=None)`` runs new tokens ``seqs[b]``
+of request b at slots ``cache.lengths[b] + j`` (a tree when ``parents`` is given; ``geo``: their packed
+geometry when the caller has it, as :meth:`TargetModel.verify_trees` does) and returns a
 :class:`ForwardOutput`; it neither validates (the model did) nor advances the cache.
 
 Dimensions: B requests, T new tokens (padded), P packed tokens, S attended slots, L layers, H
@@ -36,7 +37,7 @@ from moespec.models.cache import KVCache
 from moespec.models.moe import moe_forward
 from moespec.ops import ExpertBudget, RoutingStats
 from moespec.ops.routing import _FAMILY_CODES, budget_codes, softmax_vector_width
-from moespec.runtime.state import RopeTable, step_geometry
+from moespec.runtime.state import RopeTable, StepGeometry, step_geometry
 
 if TYPE_CHECKING:
     from moespec.models.runtime import TargetModel
@@ -110,8 +111,8 @@ class ReferenceBackend:
         self.model = model
 
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
-                budget: Optional[ExpertBudget], last_only: bool) -> ForwardOutput:
-        return self._forward(cache, self._batch(cache, seqs, parents), budget, last_only)
+                budget: Optional[ExpertBudget], last_only: bool, geo: Optional[StepGeometry] = None) -> ForwardOutput:
+        return self._forward(cache, self._batch(cache, seqs, parents), budget, last_only)  # (pads; geo unused)
 
     def _batch(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]]) -> _Batch:
         B, T = len(seqs), max(len(s) for s in seqs)
@@ -245,18 +246,18 @@ class NativeBackend:
         self._num_moe = len(c.moe_layers)
 
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
-                budget: Optional[ExpertBudget], last_only: bool) -> ForwardOutput:
+                budget: Optional[ExpertBudget], last_only: bool, geo: Optional[StepGeometry] = None) -> ForwardOutput:
         num = [len(s) for s in seqs]
         P = sum(num)
         if P > NATIVE_MAX_TOKENS:
             return self.reference.forward(cache, seqs, parents, budget, last_only)
         model, c = self.model, self.model.config
-        geo = step_geometry(seqs, cache.lengths, parents)
-        x = model.weights.embed.index_select(0, torch.tensor(geo.tokens))  # [P, H]
-        cos, sin = self.rope.lookup(torch.tensor(geo.positions))  # [P, D] each
+        geo = geo or step_geometry(seqs, cache.lengths, parents)
+        x = model.weights.embed.index_select(0, geo.tokens)  # [P, H]
+        cos, sin = self.rope.lookup(geo.positions)  # [P, D] each
         offsets = torch.tensor(geo.offsets, dtype=torch.int32)  # [B + 1]
         start = torch.tensor(cache.lengths, dtype=torch.int32)  # [B]
-        mask = torch.tensor(geo.mask, dtype=torch.int32)  # [P, W]
+        mask = geo.mask  # [P, W]
         rows = [geo.offsets[b + 1] - 1 for b in range(len(seqs)) if num[b]] if last_only else list(range(P))
         logit_rows = torch.tensor(rows, dtype=torch.int32)  # [R]
         logits = torch.empty(len(rows), c.vocab_size, dtype=model.dtype)  # [R, V]

@@ -2,7 +2,8 @@
 
 A step's tokens are packed request by request (no padding; DESIGN.md "The next phase": step state
 allocated once, written by index). :func:`step_geometry` turns the request lists of a prefill,
-decode or verify call into what the native decoder step reads (cpp/include/moespec/decoder_step.h):
+decode or verify call (or :func:`tree_geometry`: the draft trees' own tensors) into what the native
+decoder step reads (cpp/include/moespec/decoder_step.h):
 row offsets per request, each token's rope position, and its attention mask over the request's new
 tokens as bit-packed int32 words, the draft tree contract's ``mask_words`` (causal rows for
 sequences, ancestor-or-self rows for trees).
@@ -13,18 +14,21 @@ Dimensions: P packed tokens, B requests, D head dim, W mask words per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from moespec.spec.tree import DraftTree
 
 
 @dataclass
 class StepGeometry:
-    tokens: list[int]  # [P] packed token ids
+    tokens: torch.Tensor  # long [P] packed token ids
     offsets: list[int]  # [B + 1] rows of request b: [offsets[b], offsets[b + 1])
-    positions: list[int]  # [P] rope positions: start + index (sequences) or start + depth (trees)
-    mask: list[list[int]]  # [P][W] int32 mask words over the request's new tokens
-    words: int  # W
+    positions: torch.Tensor  # long [P] rope positions: start + index (sequences) or start + depth (trees)
+    mask: torch.Tensor  # int32 [P, W] mask words over the request's new tokens
 
 
 def _words(bits: int, W: int) -> list[int]:
@@ -58,7 +62,23 @@ def step_geometry(seqs: Sequence[Sequence[int]], starts: Sequence[int],
                 depth.append(depth[p] + 1 if i else 0)
             positions.extend(start + d for d in depth)
             mask.extend(_words(r, W) for r in rows)
-    return StepGeometry(tokens, offsets, positions, mask, W)
+    return StepGeometry(torch.tensor(tokens), offsets, torch.tensor(positions),
+                        torch.tensor(mask, dtype=torch.int32).view(len(tokens), W))
+
+
+def tree_geometry(trees: Sequence[Optional["DraftTree"]], starts: Sequence[int]) -> StepGeometry:
+    """The packed geometry of a verify call straight from the draft trees' own tensors (DESIGN.md
+    "Contracts" -> "Draft tree": tokens, depth and the packed ancestor mask; None: no tokens for that
+    request), with no per-node Python work."""
+    present = [(b, t) for b, t in enumerate(trees) if t is not None and t.num_nodes]
+    W = max(t.mask_words.shape[1] for _, t in present)
+    offsets = [0]
+    for t in trees:
+        offsets.append(offsets[-1] + (t.num_nodes if t is not None else 0))
+    tokens = torch.cat([t.tokens for _, t in present])
+    positions = torch.cat([t.depth.long() + starts[b] for b, t in present])
+    mask = torch.cat([F.pad(t.mask_words, (0, W - t.mask_words.shape[1])) for _, t in present])
+    return StepGeometry(tokens, offsets, positions, mask.contiguous())
 
 
 class RopeTable:

@@ -102,9 +102,10 @@ class Eagle3Policy:
     def step(self, run: Run, batch) -> list[Optional[list[int]]]:
         active = [not r.finished for r in batch]
         trees = self._draft(run, [r.last if a else 0 for r, a in zip(batch, active)])
-        tokens = [trees[b].tokens.tolist() if a else [] for b, a in enumerate(active)]
-        parents = [trees[b].parents.tolist() if a else [] for b, a in enumerate(active)]
-        out = self.target.verify(run.cache, tokens, parents, budget=self.budget)
+        out = self.target.verify_trees(run.cache, [t if a else None for t, a in zip(trees, active)],
+                                       budget=self.budget)
+        tokens = [trees[b].tokens.tolist() if a else [] for b, a in enumerate(active)]  # (accept's lists)
+        parents = run.cache.pending.parents
         run.last_expert_stats = out.expert_stats
         accepted = [accept(tokens[b], parents[b], out.logits[b, : len(tokens[b])], r.params, r.generator)
                     if active[b] else None for b, r in enumerate(batch)]
