@@ -262,6 +262,15 @@ def test_compare_end_to_end(tiny):
     assert b4["mean_logprob"] < 0 and ar["mean_logprob"] == e3["mean_logprob"]
     text = format_compare(result)
     assert "eagle3+budget:4" in text and "logp/token" in text and "Plot:" in text
+    # the byte profile: the gap between a full-union verify and a decode token is the N - K experts
+    # it adds, each of its layers' expert block's bytes / N
+    bp, target = result["engine"]["byte_profile"], tiny["opened"].target
+    moe = target.config.moe
+    experts = sum(target.weights.layers[i].experts.numel() * target.weights.layers[i].experts.element_size()
+                  for i in target.config.moe_layers)
+    assert bp["full_union_mb"] - bp["decode_mb"] == pytest.approx((moe.num_experts - moe.top_k) / moe.num_experts
+                                                                  * experts / 1e6)
+    assert bp["ratio"] == pytest.approx(bp["full_union_mb"] / bp["decode_mb"]) and "Byte Profile:" in text
 
 
 def test_compare_in_another_dtype(tiny, capsys):

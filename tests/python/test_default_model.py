@@ -3,9 +3,13 @@ transformers stands in for SmolLM2 and is derived into a Qwen2-MoE by the same f
 
 - the exact start: with every expert active (K = N) and no fitting, the MoE reproduces the dense
   model's logits, in the training form, in transformers and in moespec's runtime;
-- the neuron split is a partition (shared + equal experts = all neurons);
-- the fitted and distilled miniature is a checkpoint transformers loads, whose logits equal the
-  training form's, and moespec's runtime equals transformers on it (prefill and decode);
+- the neuron split is a partition (shared + equal experts = all neurons); a cover's experts are
+  distinct sets of neurons (overlapping), deterministic;
+- the training form (tokens grouped by expert, padded, batched) equals a per-token loop, gradients too;
+- the fitted and distilled miniature, a partition with a shared expert (Qwen2-MoE) and a cover
+  without one (Mixtral), is a checkpoint transformers loads, whose logits equal the training
+  form's, and moespec's runtime equals transformers on it (prefill and decode); a cover's start is
+  not exact (no test claims it), the ridge refit never makes its fit worse;
 - the corpus split is deterministic and disjoint, and reads only what it should.
 No GGUF, no corpus tarball: everything here is written by the test in seconds.
 """
@@ -28,6 +32,7 @@ from models_fixtures import assert_close
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 97  # vocabulary of the miniature
 LAYOUT = dd.MoeLayout(num_experts=8, top_k=2, shared_size=16)  # I = 48: 16 shared + 8 experts of 4
+COVER = dd.MoeLayout(num_experts=8, top_k=2, shared_size=0, expert_neurons=12)  # 8 x 12 = 2 I, a Mixtral
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,7 @@ def test_every_expert_active_reproduces_the_dense_model(teacher, tmp_path):
     with torch.no_grad():
         want = teacher(x).logits
         assert_close(student(x).logits, want, tol=1e-5)
-        hf = dd.to_qwen2_moe(student, layout)
+        hf = dd.to_checkpoint(student, layout)
         assert_close(hf(x).logits, want, tol=1e-5)
     dd.save_checkpoint(hf, None, tmp_path / "exact", {})
     model = mm.load(tmp_path / "exact", "fp32")
@@ -80,21 +85,63 @@ def test_every_expert_active_reproduces_the_dense_model(teacher, tmp_path):
     assert_close(model.prefill(model.new_cache(1, 16), [x[0].tolist()], logits="all").logits[0], want[0])
 
 
-@pytest.fixture(scope="module")
-def derived(teacher, tmp_path_factory):
-    settings = dd.DeriveSettings(layout=LAYOUT, window=24, calib_windows=8, cluster_tokens=64, cluster_iters=5,
+def test_cover_neurons_overlap_and_are_deterministic(teacher):
+    h = torch.randn(96, teacher.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for layout in (COVER, dd.MoeLayout(num_experts=6, top_k=2, shared_size=8, expert_neurons=10)):
+        for i, layer in enumerate(teacher.model.layers):
+            contrib = dd.neuron_contributions(layer.mlp, h)
+            shared, experts = dd.cover_neurons(contrib, layout, tokens=96, iters=5, seed=i)
+            N, m, S = layout.num_experts, layout.expert_neurons, layout.shared_size
+            assert shared.shape == (S,) and experts.shape == (N, m)
+            assert all(torch.equal(row, torch.sort(row).values) and len(set(row.tolist())) == m for row in experts)
+            assert not set(experts.reshape(-1).tolist()) & set(shared.tolist())  # routed neurons are not shared
+            assert len({tuple(row.tolist()) for row in experts}) == N  # no two experts alike
+            # the expert of a cluster holds its top neurons: its mass on its own tokens is the largest
+            again = dd.cover_neurons(contrib, layout, tokens=96, iters=5, seed=i)
+            assert torch.equal(again[1], experts)
+
+
+def test_training_form_equals_a_per_token_loop():
+    """MoeFFN's grouped, padded forward (and its gradient) equals summing each token's K experts."""
+    g = torch.Generator().manual_seed(5)
+    ffn = dd.MoeFFN(16, 4, 6, 5, 3)
+    with torch.no_grad():
+        for p in ffn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(11, 16, generator=g)
+    top, w = ffn.routing(x)
+    want = []
+    for t in range(11):
+        y = ffn.shared_out(x[t:t + 1])[0]
+        for k in range(3):
+            e = int(top[t, k])
+            gate, up = ffn.gate_up[e, :5] @ x[t], ffn.gate_up[e, 5:] @ x[t]
+            y = y + w[t, k] * (ffn.down[e] @ (torch.nn.functional.silu(gate) * up))
+        want.append(y)
+    want = torch.stack(want)
+    got = ffn(x)
+    assert_close(got, want, tol=1e-6)
+    (g1,) = torch.autograd.grad(got.square().sum(), ffn.down)
+    (g2,) = torch.autograd.grad(want.square().sum(), ffn.down)
+    assert_close(g1, g2, tol=1e-5)
+
+
+@pytest.fixture(scope="module", params=["partition", "cover"])
+def derived(teacher, tmp_path_factory, request):
+    layout = LAYOUT if request.param == "partition" else COVER
+    settings = dd.DeriveSettings(layout=layout, window=24, calib_windows=8, cluster_tokens=64, cluster_iters=5,
                                  router_steps=30, router_batch=64, distill_steps=3, distill_batch=2, distill_lr=1e-3)
     torch.manual_seed(0)
     ffns, stats = dd.derive_layers(teacher, _windows(8, 24, 2), settings, seed=0, progress=False)
     student = dd.student_from(teacher, ffns)
     losses = dd.distill(student, teacher, _windows(6, 24, 3), settings, progress=False)
     folder = tmp_path_factory.mktemp("derived") / "moe"
-    dd.save_checkpoint(dd.to_qwen2_moe(student, LAYOUT), None, folder, {"layers": stats})
-    return student, folder, stats, losses
+    dd.save_checkpoint(dd.to_checkpoint(student, layout), None, folder, {"layers": stats})
+    return student, folder, stats, losses, layout
 
 
 def test_derived_miniature_fits_and_trains(derived):
-    student, _, stats, losses = derived
+    student, _, stats, losses, _ = derived
     assert len(stats) == 2 and len(losses) == 3
     for s in stats:
         assert s["rel_err_fit"] <= s["rel_err_init"] + 1e-6  # the ridge refit never makes the fit worse
@@ -104,10 +151,10 @@ def test_derived_miniature_fits_and_trains(derived):
 
 
 def test_derived_checkpoint_loads_in_transformers_and_the_runtime(derived):
-    student, folder, _, _ = derived
+    student, folder, _, _, layout = derived
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager").eval()
-    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
-    assert hf.config.num_experts_per_tok * 4 <= hf.config.num_experts  # fine-grained: K <= N / 4
+    assert type(hf).__name__ == ("MixtralForCausalLM" if layout.shared_size == 0 else "Qwen2MoeForCausalLM")
+    assert hf.config.num_experts_per_tok * 4 <= layout.num_experts  # fine-grained: K <= N / 4
     prompt = _windows(1, 11, 4)[0].tolist()
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]
@@ -189,6 +236,12 @@ def test_recipe_key_is_stable_and_tracks_every_setting():
     changed = [replace(base, seed=1), replace(base, head=replace(base.head, steps=base.head.steps + 1)),
                replace(base, derive=replace(base.derive, layout=dd.MoeLayout(16, 4, 384)))]
     assert len({base.key(), *(r.key() for r in changed)}) == 4
+    # stage keys: a head change keeps the MoE, a tree change keeps the MoE and the head
+    head_changed = replace(base, head=replace(base.head, steps=base.head.steps + 1))
+    assert head_changed.moe_key() == base.moe_key() and head_changed.draft_key() != base.draft_key()
+    tree_changed = replace(base, tree=replace(base.tree, depth=base.tree.depth + 1))
+    assert (tree_changed.moe_key(), tree_changed.draft_key()) == (base.moe_key(), base.draft_key())
+    assert tree_changed.key() != base.key()
 
 
 def test_head_corpus_prompt_texts_respect_the_split(tmp_path):
@@ -225,6 +278,9 @@ def test_head_corpus_prompt_texts_respect_the_split(tmp_path):
     assert "user: apples 0?\nassistant: #### 0\n" in fit + held  # GSM8K with its answer
     assert "def f0():\n    pass\n" in fit + held  # HumanEval with its solution, raw
     assert "user: question 0\nassistant:" in fit + held  # MT-Bench: the question, to be answered
+    asked = dc.prompt_set_texts(Template(), "fit", tmp_path, table, answers=False)  # self-distillation prompts
+    assert len(asked) == len(fit) and not any("####" in t or "pass" in t for t in asked)
+    assert all(t.endswith("assistant:") or t.startswith("def f") for t in asked)
 
 
 def test_engine_is_current_reads_the_manifest(tmp_path):
@@ -240,6 +296,11 @@ def test_engine_is_current_reads_the_manifest(tmp_path):
     (folder / "manifest.json").write_text(json.dumps({"provenance": prov}))
     assert pl.engine_is_current(folder, tmp_path / "moe", tmp_path / "draft")
     assert not pl.engine_is_current(folder, tmp_path / "moe-other", tmp_path / "draft")
+    tree = pl.TreeSettings(depth=3, top_k=2, total_tokens=6)
+    assert not pl.engine_is_current(folder, tmp_path / "moe", tmp_path / "draft", tree)  # another default tree
+    spec = {"policy": "eagle3", "depth": 3, "top_k": 2, "total_tokens": 6}
+    (folder / "manifest.json").write_text(json.dumps({"provenance": prov, "speculation": spec}))
+    assert pl.engine_is_current(folder, tmp_path / "moe", tmp_path / "draft", tree)
 
 
 def test_build_model_default_uses_the_pipeline(teacher, tmp_path, monkeypatch):

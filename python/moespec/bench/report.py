@@ -313,7 +313,10 @@ def format_compare(c: dict[str, Any]) -> str:
              f"Requests:             {c['num_requests']} (interleaved, {s['max_batch_size']} per batch, "
              f"{s['warmup']} warm-up)\n"
              f"Draft Tree:           depth {s['depth']}, top-k {s['top_k']}, {s['total_tokens']} nodes\n"
-             f"Reference Policy:     {c['reference_policy']} (greedy; agreement and logp are against it)\n"
+             + (f"Byte Profile:         a decode token reads {e['byte_profile']['decode_mb']:.0f} MB of weights, a "
+                f"verify pass touching every expert {e['byte_profile']['full_union_mb']:.0f} MB "
+                f"({e['byte_profile']['ratio']:.2f}x)\n" if e.get("byte_profile") else "")
+             + f"Reference Policy:     {c['reference_policy']} (greedy; agreement and logp are against it)\n"
              + RULE + "\n")
     head = "  ".join(f"{h:{'<' if f.startswith('<') else '>'}{''.join(ch for ch in f.split('.')[0] if ch.isdigit())}}"
                      for h, _, f in COMPARE_COLUMNS)

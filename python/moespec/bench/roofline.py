@@ -119,6 +119,19 @@ def step_cost(model, tokens: int, context: int, kept: Optional[Sequence[float]])
     }
 
 
+def byte_profile(model) -> Optional[dict[str, float]]:
+    """The premise in bytes (weights only, no KV): what one decode token reads (its top-k experts),
+    what a verify pass touching every expert reads, and their ratio; None for a dense model."""
+    c = model.config
+    if c.moe is None:
+        return None
+    layers = len(c.moe_layers)
+    decode = step_cost(model, 1, 0, [float(c.moe.top_k)] * layers)
+    full = step_cost(model, 1, 0, [float(c.moe.num_experts)] * layers)
+    mb = lambda cost: (cost["bytes"] - cost["bytes_kv"]) / 1e6  # noqa: E731
+    return {"decode_mb": mb(decode), "full_union_mb": mb(full), "ratio": mb(full) / mb(decode)}
+
+
 def _row(name: str, tokens: int, seconds: float, cost: dict[str, float], machine: dict[str, Any],
          kept: Optional[float] = None) -> dict[str, Any]:
     bw, peak = machine["bandwidth_gbs"] * 1e9, machine["peak_gflops"] * 1e9

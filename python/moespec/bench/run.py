@@ -560,9 +560,12 @@ def run_compare(engine: Union[str, Path, Engine], dataset: Union[str, Path], pol
     if partial and not any(r["scored_tokens"] for r in rows):
         notes.append("interrupted: the quality proxy was not computed")
     s = reports[labels[0]]["engine"]
+    from moespec.bench.roofline import byte_profile
+
     return {
         "mode": "compare", "partial": partial,
-        "engine": {k: s[k] for k in ("model", "model_path", "engine_dir", "version", "dtype")},
+        "engine": {**{k: s[k] for k in ("model", "model_path", "engine_dir", "version", "dtype")},
+                   "byte_profile": byte_profile(eng.target)},
         "machine": _machine(),
         "settings": {"max_batch_size": max_batch_size, "warmup": warmup, **tree,
                      "order": "interleaved batch by batch, rotated each round"},

