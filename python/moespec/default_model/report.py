@@ -4,11 +4,16 @@ Measures (:func:`report` returns them as a dict and prints a table):
 - held-out perplexity of the dense model and the MoE, plays, code and chat separately, on fixed
   windows of the held-out split (:mod:`moespec.default_model.corpus`), both run by transformers;
 - greedy continuations of a few chat prompts (the tokenizer's chat template), dense and MoE;
+- the byte profile (bf16 weights): what one decode token reads (dense weights + K experts a layer),
+  what a verify pass touching every expert reads, and their ratio;
 - routing statistics of the MoE on the held-out windows: per layer, the expert-usage entropy
   (of the share of routing slots each expert receives, divided by log N: 1 = every expert equally
   used) and the mean number of unique routed experts a batch of 60 consecutive tokens (a verify
-  batch) needs versus one token (always K). The 60-token counts are checked against moespec's runtime,
-  whose prefill reports each MoE layer's unique experts.
+  batch) needs versus one token (always K); and, over the layers, the unique experts of batches of
+  1, 4, 8, 16, 32 and 64 consecutive tokens against what independent tokens with the same
+  per-expert usage would need (sum over experts of 1 - (1 - K share_e)^T): co-routing is the gap.
+  The 60-token counts are checked against moespec's runtime, whose prefill reports each MoE
+  layer's unique experts.
 
     python -m moespec.default_model.report --model build/default-moe --cache build/cache/default-model
 
@@ -95,6 +100,53 @@ def routing_stats(ids: torch.Tensor, num_experts: int, verify_tokens: int = VERI
             "max_share": share.max(1).values.tolist()}
 
 
+BATCH_TOKENS = (1, 4, 8, 16, 32, 64)  # verify batch sizes of the co-routing table
+
+
+def unique_vs_independent(ids: torch.Tensor, num_experts: int, sizes: Sequence[int] = BATCH_TOKENS) -> dict[str, list]:
+    """Mean over layers of the unique experts of ``T``-token chunks of consecutive tokens, measured and
+    as independent tokens with the layer's usage shares would need, for each T in ``sizes``."""
+    layers, B, L, K = ids.shape
+    measured, independent = [], []
+    for T in sizes:
+        per_layer_m, per_layer_i = [], []
+        for l in range(layers):
+            chunks = ids[l, :, : (L // T) * T].reshape(B * (L // T), T * K)
+            per_layer_m.append(sum(len(set(c.tolist())) for c in chunks) / len(chunks))
+            q = (torch.bincount(ids[l].reshape(-1), minlength=num_experts).double() / (B * L)).clamp(max=1.0)
+            per_layer_i.append(float((1 - (1 - q) ** T).sum()))
+        measured.append(sum(per_layer_m) / layers)
+        independent.append(sum(per_layer_i) / layers)
+    return {"tokens": list(sizes), "measured": measured, "independent": independent}
+
+
+def byte_profile(moe: nn.Module, bytes_per_weight: int = 2) -> dict[str, float]:
+    """Weights one decode token reads (dense + its K experts a layer) and a full-union verify reads."""
+    experts, dense, seen = 0, 0, set()
+    for name, p in moe.named_parameters():
+        if p.data_ptr() in seen:  # a tied lm_head
+            continue
+        seen.add(p.data_ptr())
+        if ".experts." in name:
+            experts += p.numel()
+        elif "embed_tokens" not in name or moe.config.tie_word_embeddings:
+            dense += p.numel()
+    N, K = _layout(moe.config)["num_experts"], moe.config.num_experts_per_tok
+    decode = (dense + experts * K / N) * bytes_per_weight / 1e6
+    full = (dense + experts) * bytes_per_weight / 1e6
+    return {"decode_mb": decode, "full_union_mb": full, "ratio": full / decode,
+            "expert_share": experts / (dense + experts)}
+
+
+def _layout(config: Any) -> dict[str, int]:
+    """N, K, m, S of a Qwen2-MoE or Mixtral config."""
+    mixtral = getattr(config, "num_local_experts", None) is not None
+    return {"num_experts": config.num_local_experts if mixtral else config.num_experts,
+            "top_k": config.num_experts_per_tok,
+            "expert_size": config.intermediate_size if mixtral else config.moe_intermediate_size,
+            "shared_size": 0 if mixtral else config.shared_expert_intermediate_size}
+
+
 def runtime_unique(folder: Path, window: torch.Tensor, verify_tokens: int = VERIFY_TOKENS) -> list[int]:
     """Unique experts per MoE layer that moespec's runtime reports for the first ``verify_tokens`` tokens
     of ``window`` in one prefill."""
@@ -125,14 +177,14 @@ def report(model_dir: str | Path, *, cache_dir: str | Path, windows: int = 16, w
     samples = [{"prompt": p, "dense": continuation(dense, tokenizer, p, max_new_tokens),
                 "moe": continuation(moe, tokenizer, p, max_new_tokens)} for p in prompts]
     ids = torch.cat([routed_experts(moe, w) for w in held.values()], dim=1)  # [layers, 3B, L, K]
-    routing = routing_stats(ids, moe.config.num_experts)
+    layout = _layout(moe.config)
+    routing = routing_stats(ids, layout["num_experts"])
+    routing["batches"] = unique_vs_independent(ids, layout["num_experts"])
     check = runtime_unique(model_dir, held["plays"][0])
     want = [len(set(ids[l, 0, :VERIFY_TOKENS].reshape(-1).tolist())) for l in range(ids.shape[0])]
     routing["runtime_agrees"] = check == want
-    result = {"perplexity": ppl, "samples": samples, "routing": routing,
-              "layout": {"num_experts": moe.config.num_experts, "top_k": moe.config.num_experts_per_tok,
-                         "expert_size": moe.config.moe_intermediate_size,
-                         "shared_size": moe.config.shared_expert_intermediate_size},
+    result = {"perplexity": ppl, "samples": samples, "routing": routing, "layout": layout,
+              "bytes": byte_profile(moe),
               "held_out_tokens_per_domain": windows * window, "seconds": round(time.perf_counter() - clock, 1)}
     if print_table:
         print_report(result)
@@ -152,13 +204,19 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"{i:>5} {e:>8.3f} {s:>9.3f} {u:>10.1f}")
     n = len(rt["entropy"])
     print(f"{'mean':>5} {sum(rt['entropy']) / n:>8.3f} {sum(rt['max_share']) / n:>9.3f} {sum(rt['unique_verify']) / n:>10.1f}")
+    bt = rt["batches"]
+    print("\nunique experts of a batch of T consecutive tokens (mean over layers): measured / independent tokens")
+    print("  ".join(f"T={t}: {m:.1f} / {i:.1f}" for t, m, i in zip(bt["tokens"], bt["measured"], bt["independent"])))
+    b = r["bytes"]
+    print(f"\nbytes (bf16): a decode token reads {b['decode_mb']:.0f} MB, a verify touching every expert "
+          f"{b['full_union_mb']:.0f} MB ({b['ratio']:.2f}x); routed experts {100 * b['expert_share']:.0f}% of the weights")
     for s in r["samples"]:
         print(f"\n> {s['prompt']}\n  dense: {s['dense']!r}\n  MoE:   {s['moe']!r}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moespec.default_model.report", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, type=Path, help="the derived Qwen2-MoE folder")
+    p.add_argument("--model", required=True, type=Path, help="the derived MoE folder (Mixtral or Qwen2-MoE)")
     p.add_argument("--cache", type=Path, default=Path(__file__).resolve().parents[3] / "build" / "cache" / "default-model")
     p.add_argument("--windows", type=int, default=16, help="held-out windows per domain")
     p.add_argument("--json", type=Path, help="also write the result here")
