@@ -33,9 +33,9 @@ carrying two residual streams, the dense model's and the MoE's (built so far); t
    mass over the experts (which experts carry the dense output);
 4. down projections refitted by ridge regression, with the learned routing in place, to what
    brings the MoE stream back to the dense one after this layer (dense residual after the layer -
-   MoE residual after attention): a partition's jointly, a cover's expert by expert on the tokens
-   routed to it (the shared one first); each token weighted by 1 / mean square of the dense
-   residual (the next RMSNorm's view, so the few tokens with huge residuals do not dominate);
+   MoE residual after attention), shared and routed together (over ``ridge_tokens`` of the
+   calibration tokens); each token weighted by 1 / mean square of the dense residual (the next
+   RMSNorm's view, so the few tokens with huge residuals do not dominate);
 
 then the whole MoE (feed-forward parameters only: routers, experts, shared experts and gates;
 attention, norms and embeddings stay SmolLM2's) is distilled end to end on the dense model's
@@ -66,7 +66,7 @@ from tqdm import tqdm
 from moespec.data.pinned import pip_download, sha256_file, verified
 from moespec.default_model.corpus import Corpus, prompt_set_texts, sample_windows
 from moespec.default_model.moe_ffn import (MoeFFN, MoeLayout, cover_neurons, fit_router, init_moe_ffn,
-                                           neuron_contributions, refit_down, refit_expert_downs, split_neurons)
+                                           neuron_contributions, refit_down, split_neurons)
 from moespec.ops.linear import cpu_bf16_is_fast
 
 THREADS = 2  # intra-op threads for every stage: fixed, so the result is reproducible across machines
@@ -163,8 +163,9 @@ class DeriveSettings:
     router_steps: int = 200
     router_batch: int = 4096
     router_lr: float = 3e-3
-    ridge: float = 1e-3  # of the Gram matrix's mean diagonal
-    distill_steps: int = 60
+    ridge: float = 1e-2  # of the Gram matrix's mean diagonal, towards the start (moe_ffn._ridge)
+    ridge_tokens: int = 8192  # calibration tokens the down refit solves over (a cover's Gram matrix costs T (N m)^2)
+    distill_steps: int = 40
     distill_batch: int = 4  # windows per step
     distill_lr: float = 3e-4
     # bf16 autocast for both forward passes (fp32 weights, optimizer and loss) where the CPU has bf16
@@ -220,8 +221,7 @@ def derive_layers(teacher: nn.Module, windows: torch.Tensor, settings: DeriveSet
         oracle = (mass.topk(layout.top_k, dim=-1).values.sum(1) / mass.sum(1).clamp_min(1e-12)).mean().item()
         captured = fit_router(ffn, h, mass, steps=settings.router_steps, batch=settings.router_batch,
                               lr=settings.router_lr, seed=seed + 1000 + i)
-        refit = refit_expert_downs if layout.is_cover else refit_down
-        before, after = refit(ffn, h, target, weight, settings.ridge)
+        before, after = refit_down(ffn, h, target, weight, settings.ridge, settings.ridge_tokens)
         moe = moe + ffn.apply(h).view(B, L, H)
         drift = ((moe - dense).pow(2).sum(-1) / dense.pow(2).sum(-1)).mean().item()
         ffns.append(ffn)

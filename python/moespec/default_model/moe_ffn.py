@@ -10,13 +10,15 @@ Two layouts (:class:`MoeLayout`):
   (:func:`cover_neurons`: balanced k-means over the tokens' contribution profiles; an expert holds
   the m neurons that carry most of its cluster's output), so a neuron sits in several experts and
   N m may be several times I: the experts are the bulk of the weight bytes while one token runs K of
-  them, as in Qwen3-MoE and DeepSeek-V3. Each expert's down projection is fitted on its own tokens
-  (:func:`refit_expert_downs`), so the layer's output, the routing-weighted mean of its K experts'
-  outputs (the weights sum to 1), approximates the dense output; no start is exact.
+  them, as in Qwen3-MoE and DeepSeek-V3. No start is exact; the down projections are refitted
+  jointly (:func:`refit_down`, on a subsample of the tokens), so the K experts of a token complement
+  each other. (Fitting each expert alone on its own tokens, so that the layer is the routing-weighted
+  mean of K approximations, was measured worse: relative error 0.5-0.7 a layer against 0.3-0.45
+  for the partition, and a KL of 1.5 at the start of distillation against 0.54.)
 
-The training form (:class:`MoeFFN`) computes only the routed experts (tokens grouped by expert,
-padded to the busiest expert, batched matmuls), so a cover of 8 x the dense neurons trains at the
-cost of its K active experts.
+The training form (:class:`MoeFFN`) computes only the routed experts (tokens grouped by expert, one
+pair of matmuls per expert), so a cover of 4 x the dense neurons trains at the cost of its K active
+experts.
 
 Dimensions: T tokens, H hidden, I dense intermediate size, S shared size, N experts, m neurons per
 expert, K top-k, C padded tokens per expert.
@@ -107,23 +109,23 @@ class MoeFFN(nn.Module):
         return F.silu(gate) * up
 
     def routed_out(self, h: torch.Tensor, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] expert_{top[t, k]}(h_t), [T, H]: the (token, slot) pairs grouped by expert
-        and padded to the busiest one, two batched matmuls, the weighted rows added back per token."""
+        """sum_k weights[t, k] expert_{top[t, k]}(h_t), [T, H]: the (token, slot) pairs sorted by expert,
+        each expert's rows through its own two matmuls (no padding: routing is uneven, and padding to
+        the busiest expert tripled the work), the weighted rows added back per token."""
         T, H = h.shape
-        N, K = self.num_experts, self.top_k
         flat = top.reshape(-1)  # [T K]
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=N)  # [N]
-        C = int(counts.max())
-        starts = torch.cumsum(counts, 0) - counts  # [N]
-        expert = flat[order]
-        slot = expert * C + (torch.arange(T * K) - starts[expert])  # row of each pair in the padded [N C]
-        token = order // K
-        x = h.new_zeros(N * C, H).index_copy(0, slot, h[token])  # [N C, H]
-        gate, up = torch.bmm(x.view(N, C, H), self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [N, C, m] each
-        y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2)).view(N * C, H)  # [N C, H]
-        rows = y.index_select(0, slot) * weights.reshape(-1)[order, None]  # [T K, H]
-        return h.new_zeros(T, H).index_add(0, token, rows)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # [N]
+        token = order // self.top_k
+        x = h.index_select(0, token)  # [T K, H], grouped by expert
+        m = self.expert_size
+        ys = []
+        for e, rows in enumerate(torch.split(x, counts)):
+            if len(rows):
+                gu = rows @ self.gate_up[e].T  # [n_e, 2m]
+                ys.append((F.silu(gu[:, :m]) * gu[:, m:]) @ self.down[e].T)  # [n_e, H]
+        y = torch.cat(ys) * weights.reshape(-1)[order, None]  # [T K, H]
+        return h.new_zeros(T, H).index_add(0, token, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
@@ -156,7 +158,7 @@ def init_moe_ffn(mlp: nn.Module, shared: torch.Tensor, experts: torch.Tensor, to
     Router and shared gate are zero, so the shared expert is scaled by sigmoid(0) = 1/2 (its down
     projection by 2 makes up for it). A partition's routed down projections are scaled by K: each
     selected expert weighs 1/K, so with K = N every neuron runs with weight 1 and the output equals
-    ``mlp``'s (exact). A cover's are the dense ones (refit_expert_downs fits them next).
+    ``mlp``'s (exact). A cover's are the dense ones (refit_down fits them next).
     """
     gate, up, down = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach()
     N, m = experts.shape
@@ -278,12 +280,17 @@ def fit_router(ffn: MoeFFN, h: torch.Tensor, mass: torch.Tensor, *, steps: int, 
     return (target.gather(1, top).sum(1)).mean().item()
 
 
-def _ridge(A: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float) -> torch.Tensor:
-    """argmin_D sum_t weight_t ||D a_t - target_t||^2 + ridge mean(diag) ||D||^2: D [H, F] for A [T, F]."""
+def _ridge(A: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float,
+           prior: torch.Tensor) -> torch.Tensor:
+    """argmin_D sum_t weight_t ||D a_t - target_t||^2 + lam ||D - prior||^2 with lam = ridge x the Gram
+    matrix's mean diagonal: D [H, F] for A [T, F], prior [H, F] (the start: shrinking towards it, not
+    towards zero, generalises better; measured on held-out tokens of a cover layer: relative error
+    0.052 at ridge 1e-2 against 0.078 at 1e-3)."""
     Aw = A * weight[:, None]
     gram = (Aw.T @ A).double()
-    gram.diagonal().add_(ridge * gram.diagonal().mean().clamp_min(1e-12))
-    return torch.linalg.solve(gram, (Aw.T @ target).double()).float().T
+    lam = ridge * gram.diagonal().mean().clamp_min(1e-12)
+    gram.diagonal().add_(lam)
+    return torch.linalg.solve(gram, (Aw.T @ target).double() + lam * prior.T.double()).float().T
 
 
 def layer_error(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> float:
@@ -291,11 +298,18 @@ def layer_error(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torc
     return (((ffn.apply(h) - target).pow(2).sum(-1) * weight).sum() / (target.pow(2).sum(-1) * weight).sum()).item()
 
 
-def refit_down(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float) -> tuple[float, float]:
-    """A partition's down projections (shared and routed together) by one ridge regression onto
-    ``target`` [T, H], tokens weighted by ``weight`` [T], with the layer's routing in place. Returns
-    the weighted relative squared error before and after."""
+def refit_down(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float,
+               max_tokens: int = 0) -> tuple[float, float]:
+    """All down projections (shared and routed together) by one ridge regression onto ``target``
+    [T, H], tokens weighted by ``weight`` [T], with the layer's routing in place, so the experts a
+    token runs complement each other; over every ``T / max_tokens``-th token when ``max_tokens`` is
+    given (a cover's S + N m columns make the Gram matrix cost T (S + N m)^2). Returns the weighted
+    relative squared error, over all tokens, before and after."""
     before = layer_error(ffn, h, target, weight)
+    full = (h, target, weight)
+    if max_tokens and h.shape[0] > max_tokens:
+        stride = -(-h.shape[0] // max_tokens)
+        h, target, weight = h[::stride], target[::stride], weight[::stride]
     T, N, m, S = h.shape[0], ffn.num_experts, ffn.expert_size, ffn.shared_size
     top, w = ffn.routing(h)
     dense_w = torch.zeros(T, N, dtype=w.dtype).scatter(1, top, w)  # [T, N]
@@ -304,31 +318,9 @@ def refit_down(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch
     if S:
         gate = torch.sigmoid(h @ ffn.shared_gate.T)
         parts.insert(0, gate * F.silu(h @ ffn.shared_gate_proj.T) * (h @ ffn.shared_up_proj.T))
-    down = _ridge(torch.cat(parts, dim=1), target, weight, ridge)  # [H, S + N m]
+    prior = torch.cat([ffn.shared_down_proj.detach(), ffn.down.detach().permute(1, 0, 2).reshape(-1, N * m)], dim=1)
+    down = _ridge(torch.cat(parts, dim=1), target, weight, ridge, prior)  # [H, S + N m]
     with torch.no_grad():
         ffn.shared_down_proj.copy_(down[:, :S])
         ffn.down.copy_(down[:, S:].view(-1, N, m).permute(1, 0, 2))
-    return before, layer_error(ffn, h, target, weight)
-
-
-def refit_expert_downs(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
-                       ridge: float) -> tuple[float, float]:
-    """A cover's down projections: the shared one (if any) by ridge regression onto ``target`` [T, H]
-    over all tokens, then each expert's onto what remains, over the tokens routed to it (so each
-    expert approximates the layer on its own tokens, and their routing-weighted mean on every token).
-    Tokens weighted by ``weight`` [T]. Returns the weighted relative squared error before and after."""
-    before = layer_error(ffn, h, target, weight)
-    rest = target
-    if ffn.shared_size:
-        gate = torch.sigmoid(h @ ffn.shared_gate.T)
-        A = gate * F.silu(h @ ffn.shared_gate_proj.T) * (h @ ffn.shared_up_proj.T)
-        with torch.no_grad():
-            ffn.shared_down_proj.copy_(_ridge(A, target, weight, ridge))
-        rest = target - ffn.shared_out(h)
-    top, _ = ffn.routing(h)
-    with torch.no_grad():
-        for e in range(ffn.num_experts):
-            idx = (top == e).any(1).nonzero().flatten()
-            if len(idx):
-                ffn.down[e].copy_(_ridge(ffn.expert_activations(e, h[idx]), rest[idx], weight[idx], ridge))
-    return before, layer_error(ffn, h, target, weight)
+    return before, layer_error(ffn, *full)

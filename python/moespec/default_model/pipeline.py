@@ -51,7 +51,7 @@ class HeadSettings:
     on what: corpus text, and (``self_distill_prompts`` > 0) the MoE's own continuations of fitting
     prompts, greedy and sampled (:func:`write_self_distilled_corpus`)."""
 
-    steps: int = 120
+    steps: int = 100
     ttt_steps: int = 4
     draft_vocab: int = 8192
     batch_size: int = 8
