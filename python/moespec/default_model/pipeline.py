@@ -51,7 +51,7 @@ class HeadSettings:
     on what: corpus text, and (``self_distill_prompts`` > 0) the MoE's own continuations of fitting
     prompts, greedy and sampled (:func:`write_self_distilled_corpus`)."""
 
-    steps: int = 100
+    steps: int = 80
     ttt_steps: int = 4
     draft_vocab: int = 8192
     batch_size: int = 8
@@ -59,8 +59,8 @@ class HeadSettings:
     lr: float = 1e-3
     amp: bool = True  # bf16 autocast for the head, where the CPU has bf16 dot products (else fp32)
     seed: int = 0
-    chars_per_domain: int = 200_000  # plays and code each; the prompt sets' fitting split is taken whole
-    self_distill_prompts: int = 512  # fitting prompts the MoE continues (half chat, half plays and code); 0: off
+    chars_per_domain: int = 1_000_000  # plays and code each; the prompt sets' fitting split is taken whole
+    self_distill_prompts: int = 0  # fitting prompts the MoE continues (half chat, half plays and code); 0: off
     self_distill_tokens: int = 128  # tokens generated per prompt
     self_distill_batch: int = 16  # requests decoded together
 
