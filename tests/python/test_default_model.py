@@ -346,3 +346,23 @@ def test_report_co_routing_table_and_byte_profile(derived):
     experts = 2 * moe.config.num_hidden_layers * N * 3 * m * H / 1e6  # bf16 bytes of every expert
     assert b["full_union_mb"] - b["decode_mb"] == pytest.approx(experts * (N - K) / N)
     assert b["ratio"] == pytest.approx(b["full_union_mb"] / b["decode_mb"]) and 0 < b["expert_share"] < 1
+
+
+@torch.no_grad()
+def test_tied_refit_ties_every_copy_of_a_neuron(teacher):
+    layer = teacher.model.layers[0]
+    h = torch.randn(256, teacher.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    for layout in (COVER, dd.MoeLayout(num_experts=6, top_k=2, shared_size=8, expert_neurons=10)):
+        contrib = dd.neuron_contributions(layer.mlp, h)
+        shared, experts = dd.cover_neurons(contrib, layout, tokens=256, iters=5, seed=0)
+        ffn = dd.init_moe_ffn(layer.mlp, shared, experts, layout.top_k, cover=True)
+        mass = contrib[:, experts.reshape(-1)].view(256, layout.num_experts, -1).sum(-1)
+        dd.fit_router(ffn, h, mass, steps=20, batch=64, lr=1e-2, seed=0)
+        target = layer.mlp(h).detach()
+        before, after = dd.refit_tied_down(ffn, layer.mlp, shared, experts, h, target, torch.ones(256), 1e-3)
+        assert after < before
+        column = {}  # neuron id -> its down column, the same in every expert that holds it
+        for e, ids in enumerate(experts.tolist()):
+            for i, j in enumerate(ids):
+                col = ffn.down[e, :, i]
+                assert torch.equal(column.setdefault(j, col), col), f"neuron {j} untied in expert {e}"

@@ -33,8 +33,9 @@ carrying two residual streams, the dense model's and the MoE's (built so far); t
    mass over the experts (which experts carry the dense output);
 4. down projections refitted by ridge regression, with the learned routing in place, to what
    brings the MoE stream back to the dense one after this layer (dense residual after the layer -
-   MoE residual after attention), shared and routed together (over ``ridge_tokens`` of the
-   calibration tokens); each token weighted by 1 / mean square of the dense residual (the next
+   MoE residual after attention), shared and routed together (a partition's over ``ridge_tokens`` of
+   the calibration tokens; a cover's with each neuron's copies tied, one column per dense neuron,
+   gated by the routing weights of the token's experts that hold it); each token weighted by 1 / mean square of the dense residual (the next
    RMSNorm's view, so the few tokens with huge residuals do not dominate);
 
 then the whole MoE (feed-forward parameters only: routers, experts, shared experts and gates;
@@ -66,7 +67,8 @@ from tqdm import tqdm
 from moespec.data.pinned import pip_download, sha256_file, verified
 from moespec.default_model.corpus import Corpus, prompt_set_texts, sample_windows
 from moespec.default_model.moe_ffn import (MoeFFN, MoeLayout, cover_neurons, fit_router, init_moe_ffn,
-                                           neuron_contributions, refit_down, split_neurons)
+                                           neuron_contributions, refit_down, refit_tied_down,
+                                           split_neurons)
 from moespec.ops.linear import cpu_bf16_is_fast
 
 THREADS = 2  # intra-op threads for every stage: fixed, so the result is reproducible across machines
@@ -223,7 +225,10 @@ def derive_layers(teacher: nn.Module, windows: torch.Tensor, settings: DeriveSet
         oracle = (mass.topk(layout.top_k, dim=-1).values.sum(1) / mass.sum(1).clamp_min(1e-12)).mean().item()
         captured = fit_router(ffn, h, mass, steps=settings.router_steps, batch=settings.router_batch,
                               lr=settings.router_lr, seed=seed + 1000 + i)
-        before, after = refit_down(ffn, h, target, weight, settings.ridge, settings.ridge_tokens)
+        if layout.is_cover:
+            before, after = refit_tied_down(ffn, layer.mlp, shared, experts, h, target, weight, settings.ridge)
+        else:
+            before, after = refit_down(ffn, h, target, weight, settings.ridge, settings.ridge_tokens)
         moe = moe + ffn.apply(h).view(B, L, H)
         drift = ((moe - dense).pow(2).sum(-1) / dense.pow(2).sum(-1)).mean().item()
         ffns.append(ffn)
