@@ -339,11 +339,11 @@ def test_report_co_routing_table_and_byte_profile(derived):
     table = rp.unique_vs_independent(cycle, 8, (1, 4))
     assert table["measured"] == [2.0, 8.0] and table["independent"] == [pytest.approx(2.0), pytest.approx(8 * (1 - 0.75**4))]
     _, folder, _, _, layout = derived
-    moe = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager")
-    b = rp.byte_profile(moe)
-    N, K, H = layout.num_experts, layout.top_k, moe.config.hidden_size
+    model = mm.load(folder, "fp32")
+    b = rp.byte_profile(model, bytes_per_weight=2)
+    N, K, H = layout.num_experts, layout.top_k, model.config.hidden_size
     m = layout.expert_size(48)
-    experts = 2 * moe.config.num_hidden_layers * N * 3 * m * H / 1e6  # bf16 bytes of every expert
+    experts = 2 * model.config.num_layers * N * 3 * m * H / 1e6  # bf16 bytes of every expert
     assert b["full_union_mb"] - b["decode_mb"] == pytest.approx(experts * (N - K) / N)
     assert b["ratio"] == pytest.approx(b["full_union_mb"] / b["decode_mb"]) and 0 < b["expert_share"] < 1
 

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 import moespec.spec.tree
 from moespec.spec import DraftTree, TreeBuilder, unpack_mask
+from moespec.spec.tree import pack_mask
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -279,3 +280,12 @@ def test_bad_input_raises_value_error_naming_the_argument():
         builder.expand(torch.zeros(2, 3, 3, dtype=torch.int64), torch.full((2, 3, 3), -1.0))
     with pytest.raises(ValueError, match=r"^b: expected a request index in \[0, 2\)"):
         builder.candidates(2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 100), st.integers(0, 2**16))
+def test_pack_mask_inverts_unpack_mask(n, seed):
+    bits = torch.rand(3, n, generator=torch.Generator().manual_seed(seed)) < 0.5
+    words = pack_mask(bits)
+    assert words.dtype == torch.int32 and words.shape == (3, (n + 31) // 32)
+    assert torch.equal(unpack_mask(words, n), bits)

@@ -119,17 +119,20 @@ def step_cost(model, tokens: int, context: int, kept: Optional[Sequence[float]])
     }
 
 
-def byte_profile(model) -> Optional[dict[str, float]]:
+def byte_profile(model, bytes_per_weight: Optional[int] = None) -> Optional[dict[str, float]]:
     """The premise in bytes (weights only, no KV): what one decode token reads (its top-k experts),
-    what a verify pass touching every expert reads, and their ratio; None for a dense model."""
+    what a verify pass touching every expert reads, their ratio and the routed experts' share of the
+    weights; in the model's dtype, or at ``bytes_per_weight`` a weight. None for a dense model."""
     c = model.config
     if c.moe is None:
         return None
     layers = len(c.moe_layers)
+    scale = (bytes_per_weight or model.weights.lm_head.element_size()) / model.weights.lm_head.element_size()
     decode = step_cost(model, 1, 0, [float(c.moe.top_k)] * layers)
     full = step_cost(model, 1, 0, [float(c.moe.num_experts)] * layers)
-    mb = lambda cost: (cost["bytes"] - cost["bytes_kv"]) / 1e6  # noqa: E731
-    return {"decode_mb": mb(decode), "full_union_mb": mb(full), "ratio": mb(full) / mb(decode)}
+    mb = lambda cost: (cost["bytes"] - cost["bytes_kv"]) * scale / 1e6  # noqa: E731
+    return {"decode_mb": mb(decode), "full_union_mb": mb(full), "ratio": mb(full) / mb(decode),
+            "expert_share": full["bytes_experts"] / (full["bytes"] - full["bytes_kv"])}
 
 
 def _row(name: str, tokens: int, seconds: float, cost: dict[str, float], machine: dict[str, Any],

@@ -33,10 +33,10 @@ carrying two residual streams, the dense model's and the MoE's (built so far); t
    mass over the experts (which experts carry the dense output);
 4. down projections refitted by ridge regression, with the learned routing in place, to what
    brings the MoE stream back to the dense one after this layer (dense residual after the layer -
-   MoE residual after attention), shared and routed together (a partition's over ``ridge_tokens`` of
-   the calibration tokens; a cover's with each neuron's copies tied, one column per dense neuron,
-   gated by the routing weights of the token's experts that hold it); each token weighted by 1 / mean square of the dense residual (the next
-   RMSNorm's view, so the few tokens with huge residuals do not dominate);
+   MoE residual after attention), shared and routed together (a cover's with each neuron's copies
+   tied: one column per dense neuron, gated by the routing weights of the token's experts that hold
+   it); each token weighted by 1 / mean square of the dense residual (the next RMSNorm's view, so
+   the few tokens with huge residuals do not dominate);
 
 then the whole MoE (feed-forward parameters only: routers, experts, shared experts and gates;
 attention, norms and embeddings stay SmolLM2's) is distilled end to end on the dense model's
@@ -167,8 +167,6 @@ class DeriveSettings:
     router_batch: int = 4096
     router_lr: float = 3e-3
     ridge: float = 1e-3  # of the Gram matrix's mean diagonal, towards the start (moe_ffn._ridge)
-    ridge_tokens: int = 0  # calibration tokens the down refit solves over (0: all; a cover's Gram matrix costs
-    # T (N m)^2, but a third of the tokens generalised poorly to the rest: relative error 0.23-0.28 against 0.05-0.07)
     distill_steps: int = 60
     distill_batch: int = 4  # windows per step
     distill_lr: float = 3e-4
@@ -228,7 +226,7 @@ def derive_layers(teacher: nn.Module, windows: torch.Tensor, settings: DeriveSet
         if layout.is_cover:
             before, after = refit_tied_down(ffn, layer.mlp, shared, experts, h, target, weight, settings.ridge)
         else:
-            before, after = refit_down(ffn, h, target, weight, settings.ridge, settings.ridge_tokens)
+            before, after = refit_down(ffn, h, target, weight, settings.ridge)
         moe = moe + ffn.apply(h).view(B, L, H)
         drift = ((moe - dense).pow(2).sum(-1) / dense.pow(2).sum(-1)).mean().item()
         ffns.append(ffn)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import moespec.models as mm
+from moespec.bench.roofline import byte_profile
 from moespec.default_model.corpus import Corpus, prompt_set_texts, sample_windows
 from moespec.default_model.derive import SHAKESPEARE, THREADS, gguf_path, input_path, load_teacher
 
@@ -120,24 +122,6 @@ def unique_vs_independent(ids: torch.Tensor, num_experts: int, sizes: Sequence[i
     return {"tokens": list(sizes), "measured": measured, "independent": independent}
 
 
-def byte_profile(moe: nn.Module, bytes_per_weight: int = 2) -> dict[str, float]:
-    """Weights one decode token reads (dense + its K experts a layer) and a full-union verify reads."""
-    experts, dense, seen = 0, 0, set()
-    for name, p in moe.named_parameters():
-        if p.data_ptr() in seen:  # a tied lm_head
-            continue
-        seen.add(p.data_ptr())
-        if ".experts." in name:
-            experts += p.numel()
-        elif "embed_tokens" not in name or moe.config.tie_word_embeddings:
-            dense += p.numel()
-    N, K = _layout(moe.config)["num_experts"], moe.config.num_experts_per_tok
-    decode = (dense + experts * K / N) * bytes_per_weight / 1e6
-    full = (dense + experts) * bytes_per_weight / 1e6
-    return {"decode_mb": decode, "full_union_mb": full, "ratio": full / decode,
-            "expert_share": experts / (dense + experts)}
-
-
 def _layout(config: Any) -> dict[str, int]:
     """N, K, m, S of a Qwen2-MoE or Mixtral config."""
     mixtral = getattr(config, "num_local_experts", None) is not None
@@ -147,12 +131,9 @@ def _layout(config: Any) -> dict[str, int]:
             "shared_size": 0 if mixtral else config.shared_expert_intermediate_size}
 
 
-def runtime_unique(folder: Path, window: torch.Tensor, verify_tokens: int = VERIFY_TOKENS) -> list[int]:
-    """Unique experts per MoE layer that moespec's runtime reports for the first ``verify_tokens`` tokens
-    of ``window`` in one prefill."""
-    import moespec.models as mm
-
-    model = mm.load(folder, "fp32")
+def runtime_unique(model: Any, window: torch.Tensor, verify_tokens: int = VERIFY_TOKENS) -> list[int]:
+    """Unique experts per MoE layer that moespec's runtime (``model``, a TargetModel) reports for the
+    first ``verify_tokens`` tokens of ``window`` in one prefill."""
     out = model.prefill(model.new_cache(1, verify_tokens), [window[:verify_tokens].tolist()])
     return [s.natural_unique for s in out.expert_stats_by_layer()]
 
@@ -180,11 +161,12 @@ def report(model_dir: str | Path, *, cache_dir: str | Path, windows: int = 16, w
     layout = _layout(moe.config)
     routing = routing_stats(ids, layout["num_experts"])
     routing["batches"] = unique_vs_independent(ids, layout["num_experts"])
-    check = runtime_unique(model_dir, held["plays"][0])
+    runtime = mm.load(model_dir, "fp32")
+    check = runtime_unique(runtime, held["plays"][0])
     want = [len(set(ids[l, 0, :VERIFY_TOKENS].reshape(-1).tolist())) for l in range(ids.shape[0])]
     routing["runtime_agrees"] = check == want
     result = {"perplexity": ppl, "samples": samples, "routing": routing, "layout": layout,
-              "bytes": byte_profile(moe),
+              "bytes": byte_profile(runtime, bytes_per_weight=2),  # bf16, as the engine
               "held_out_tokens_per_domain": windows * window, "seconds": round(time.perf_counter() - clock, 1)}
     if print_table:
         print_report(result)

@@ -62,6 +62,7 @@ from moespec.models.runtime import TargetModel, rms_norm, rotate
 from moespec.ops.linear import linear
 from moespec.ops.routing import softmax_vector_width
 from moespec.runtime.state import RopeTable
+from moespec.spec.tree import pack_mask
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -676,8 +677,7 @@ class Eagle3Head(nn.Module):
         shifted = torch.arange(32 * W)[None, :] + start[:, None]  # [B, 32 W]
         bits = visible.gather(2, shifted.clamp_max(S - 1)[:, None, :].expand(B, T, 32 * W))
         bits &= (shifted < S)[:, None, :]
-        words = (bits[rows, cols].view(-1, W, 32).long() << torch.arange(32)).sum(-1)  # [P, W]
-        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        words = pack_mask(bits[rows, cols])  # [P, W]
         decoder, rope = self._native_model()
         P = rows.shape[0]
         x = h[rows, cols].to(self.dtype).contiguous()  # [P, H] in/out: the residual

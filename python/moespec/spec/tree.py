@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 
 from moespec._loader import native
 from moespec._tensor import view
 
-__all__ = ["Candidates", "DraftTree", "Frontier", "TreeBuilder", "unpack_mask"]
+__all__ = ["Candidates", "DraftTree", "Frontier", "TreeBuilder", "pack_mask", "unpack_mask"]
 
 _BIT = torch.arange(32, dtype=torch.int32)  # [32]
 
@@ -50,6 +51,22 @@ def unpack_mask(mask_words: torch.Tensor, num_nodes: int) -> torch.Tensor:
     """
     bits = (mask_words.unsqueeze(-1) >> _BIT.to(mask_words.device)) & 1  # [..., W, 32]
     return bits.flatten(-2)[..., :num_nodes].bool()  # [..., num_nodes]
+
+
+def pack_mask(bits: torch.Tensor) -> torch.Tensor:
+    """Packs mask rows, the inverse of :func:`unpack_mask`: bool [..., n] -> int32 [..., ceil(n / 32)].
+
+    Examples
+    --------
+    >>> pack_mask(torch.tensor([[True, False], [True, True]]))
+    tensor([[1],
+            [3]], dtype=torch.int32)
+    """
+    n = bits.shape[-1]
+    W = max(1, (n + 31) // 32)
+    padded = F.pad(bits.long(), (0, 32 * W - n)).unflatten(-1, (W, 32))  # [..., W, 32]
+    words = (padded << _BIT.to(bits.device).long()).sum(-1)  # [..., W] in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 @dataclass(frozen=True, eq=False)
