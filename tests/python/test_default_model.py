@@ -87,18 +87,45 @@ def test_every_expert_active_reproduces_the_dense_model(teacher, tmp_path):
 
 def test_cover_neurons_overlap_and_are_deterministic(teacher):
     h = torch.randn(96, teacher.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    for layout in (COVER, dd.MoeLayout(num_experts=6, top_k=2, shared_size=8, expert_neurons=10)):
-        for i, layer in enumerate(teacher.model.layers):
-            contrib = dd.neuron_contributions(layer.mlp, h)
-            shared, experts = dd.cover_neurons(contrib, layout, tokens=96, iters=5, seed=i)
-            N, m, S = layout.num_experts, layout.expert_neurons, layout.shared_size
-            assert shared.shape == (S,) and experts.shape == (N, m)
-            assert all(torch.equal(row, torch.sort(row).values) and len(set(row.tolist())) == m for row in experts)
-            assert not set(experts.reshape(-1).tolist()) & set(shared.tolist())  # routed neurons are not shared
-            assert len({tuple(row.tolist()) for row in experts}) == N  # no two experts alike
-            # the expert of a cluster holds its top neurons: its mass on its own tokens is the largest
-            again = dd.cover_neurons(contrib, layout, tokens=96, iters=5, seed=i)
-            assert torch.equal(again[1], experts)
+    N, m = COVER.num_experts, COVER.expert_neurons
+    for i, layer in enumerate(teacher.model.layers):
+        contrib = dd.neuron_contributions(layer.mlp, h)
+        experts = dd.cover_neurons(contrib, COVER, tokens=96, iters=5, seed=i)
+        assert experts.shape == (N, m)
+        assert all(torch.equal(row, torch.sort(row).values) and len(set(row.tolist())) == m for row in experts)
+        assert len({tuple(row.tolist()) for row in experts}) == N  # no two experts alike
+        assert len(set(experts.reshape(-1).tolist())) < N * m  # overlapping: some neuron in several experts
+        assert torch.equal(dd.cover_neurons(contrib, COVER, tokens=96, iters=5, seed=i), experts)
+
+
+def test_cover_form_equals_the_expanded_experts():
+    """CoverFFN (the neurons once, per-expert scales) equals the Mixtral layer its checkpoint holds:
+    each token's K experts summed with their own rows, in the forward and in the gradient."""
+    g = torch.Generator().manual_seed(6)
+    H, I, N, m, K = 16, 20, 6, 7, 2
+    experts = torch.stack([torch.sort(torch.randperm(I, generator=g)[:m]).values for _ in range(N)])
+    ffn = dd.CoverFFN(H, I, experts, K)
+    with torch.no_grad():
+        for p in ffn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    t = ffn.checkpoint_tensors("")
+    gate_up, down = t["experts.gate_up_proj"], t["experts.down_proj"]
+    assert gate_up.shape == (N, 2 * m, H) and down.shape == (N, H, m)
+    x = torch.randn(9, H, generator=g)
+    top, w = ffn.routing(x)
+    want = []
+    for i in range(9):
+        y = torch.zeros(H)
+        for k in range(K):
+            e = int(top[i, k])
+            a = torch.nn.functional.silu(gate_up[e, :m] @ x[i]) * (gate_up[e, m:] @ x[i])
+            y = y + w[i, k] * (down[e] @ a)
+        want.append(y)
+    got = ffn(x)
+    assert_close(got, torch.stack(want), tol=1e-6)
+    # the scales are real per-expert parameters: the gradient reaches the selected experts' scales only
+    (grad,) = torch.autograd.grad(got.square().sum(), ffn.scale)
+    assert set(torch.nonzero(grad.abs().sum(1)).reshape(-1).tolist()) == set(top.reshape(-1).tolist())
 
 
 def test_training_form_equals_a_per_token_loop():
@@ -174,6 +201,8 @@ def test_layout_checks():
         dd.MoeLayout(num_experts=5, top_k=1, shared_size=16).expert_size(48)
     with pytest.raises(ValueError, match="top_k must be in"):
         dd.MoeLayout(num_experts=8, top_k=9).check()
+    with pytest.raises(ValueError, match="a cover .* has no shared expert"):
+        dd.MoeLayout(num_experts=8, top_k=2, shared_size=8, expert_neurons=10).check()
 
 
 # ---- corpus ---------------------------------------------------------------------------------------------
@@ -303,6 +332,52 @@ def test_engine_is_current_reads_the_manifest(tmp_path):
     assert pl.engine_is_current(folder, tmp_path / "moe", tmp_path / "draft", tree)
 
 
+def test_a_shipped_head_is_checked_and_copied(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from moespec.default_model import pipeline as pl
+
+    trained, heads = tmp_path / "trained", tmp_path / "heads"
+    trained.mkdir()
+    save_file({"fc.weight": torch.randn(4, 6), "d2t": torch.arange(3)}, str(trained / "model.safetensors"))
+    (trained / "config.json").write_text(json.dumps({"moespec": {"target": "/here/moe", "corpus": ["/here/c"], "steps": 5}}))
+    (trained / "train_log.json").write_text("{}")
+    assert pl.shipped_head("abc", heads) is None  # nothing shipped
+    folder = pl.ship_head(trained, "abc", heads)
+    assert pl.shipped_head("abc", heads) == folder and pl.shipped_head("other", heads) is None
+    from safetensors.torch import load_file
+    tensors = load_file(folder / "model.safetensors")
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
+    assert json.loads((folder / "config.json").read_text())["moespec"] == {"steps": 5}  # no machine paths
+    save_file({"fc.weight": torch.zeros(4, 6)}, str(folder / "model.safetensors"))  # tampered
+    with pytest.raises(ValueError, match="not the shipped head of recipe abc"):
+        pl.shipped_head("abc", heads)
+
+
+def test_the_shipped_head_is_the_current_recipes_and_loads():
+    """The repository ships at most the current recipe's head (a stale one would never be used), with
+    the weights its index names, under 25 MB, and loadable: its tensors have its config's shapes."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from moespec.default_model import pipeline as pl
+
+    index = pl.SHIPPED_HEADS / "index.json"
+    if not index.is_file():
+        pytest.skip("no head is shipped in this checkout")
+    assert list(json.loads(index.read_text())) == [pl.Recipe().draft_key()]
+    folder = pl.shipped_head(pl.Recipe().draft_key())
+    assert folder is not None and (folder / "model.safetensors").stat().st_size <= 25 * 2**20
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors")
+    H, V = config["hidden_size"], config["draft_vocab_size"]
+    assert tensors["fc.weight"].shape == (H, H * len(config["eagle_aux_hidden_state_layer_ids"]))
+    assert tensors["lm_head.weight"].shape == (V, H) and tensors["d2t"].shape == (V,)
+
+
 def test_build_model_default_uses_the_pipeline(teacher, tmp_path, monkeypatch):
     from moespec.default_model import pipeline as pl
     from moespec.engine import build_engine
@@ -352,17 +427,17 @@ def test_report_co_routing_table_and_byte_profile(derived):
 def test_tied_refit_ties_every_copy_of_a_neuron(teacher):
     layer = teacher.model.layers[0]
     h = torch.randn(256, teacher.config.hidden_size, generator=torch.Generator().manual_seed(7))
-    for layout in (COVER, dd.MoeLayout(num_experts=6, top_k=2, shared_size=8, expert_neurons=10)):
-        contrib = dd.neuron_contributions(layer.mlp, h)
-        shared, experts = dd.cover_neurons(contrib, layout, tokens=256, iters=5, seed=0)
-        ffn = dd.init_moe_ffn(layer.mlp, shared, experts, layout.top_k, cover=True)
-        mass = contrib[:, experts.reshape(-1)].view(256, layout.num_experts, -1).sum(-1)
-        dd.fit_router(ffn, h, mass, steps=20, batch=64, lr=1e-2, seed=0)
-        target = layer.mlp(h).detach()
-        before, after = dd.refit_tied_down(ffn, layer.mlp, shared, experts, h, target, torch.ones(256), 1e-3)
-        assert after < before
-        column = {}  # neuron id -> its down column, the same in every expert that holds it
-        for e, ids in enumerate(experts.tolist()):
-            for i, j in enumerate(ids):
-                col = ffn.down[e, :, i]
-                assert torch.equal(column.setdefault(j, col), col), f"neuron {j} untied in expert {e}"
+    contrib = dd.neuron_contributions(layer.mlp, h)
+    experts = dd.cover_neurons(contrib, COVER, tokens=256, iters=5, seed=0)
+    ffn = dd.init_cover_ffn(layer.mlp, experts, COVER.top_k)
+    mass = contrib[:, experts.reshape(-1)].view(256, COVER.num_experts, -1).sum(-1)
+    dd.fit_router(ffn, h, mass, steps=20, batch=64, lr=1e-2, seed=0)
+    target = layer.mlp(h).detach()
+    before, after = dd.refit_tied_down(ffn, h, target, torch.ones(256), 1e-3)
+    assert after < before
+    down = ffn.checkpoint_tensors("")["experts.down_proj"]
+    column = {}  # neuron id -> its down column, the same in every expert that holds it
+    for e, ids in enumerate(experts.tolist()):
+        for i, j in enumerate(ids):
+            col = down[e, :, i]
+            assert torch.equal(column.setdefault(j, col), col), f"neuron {j} untied in expert {e}"

@@ -66,8 +66,8 @@ from tqdm import tqdm
 
 from moespec.data.pinned import pip_download, sha256_file, verified
 from moespec.default_model.corpus import Corpus, prompt_set_texts, sample_windows
-from moespec.default_model.moe_ffn import (MoeFFN, MoeLayout, cover_neurons, fit_router, init_moe_ffn,
-                                           neuron_contributions, refit_down, refit_tied_down,
+from moespec.default_model.moe_ffn import (CoverFFN, MoeFFN, MoeLayout, cover_neurons, fit_router, init_cover_ffn,
+                                           init_moe_ffn, neuron_contributions, refit_down, refit_tied_down,
                                            split_neurons)
 from moespec.ops.linear import cpu_bf16_is_fast
 
@@ -195,7 +195,7 @@ def attention_block(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: t
 
 @torch.no_grad()
 def derive_layers(teacher: nn.Module, windows: torch.Tensor, settings: DeriveSettings, *, seed: int,
-                  progress: bool = True) -> tuple[list[MoeFFN], list[dict[str, float]]]:
+                  progress: bool = True) -> tuple[list[MoeFFN | CoverFFN], list[dict[str, float]]]:
     """Steps 1-4 of the module docstring for every layer, bottom-up; returns the MoE feed-forwards and
     per-layer fit statistics."""
     cfg, layout = teacher.config, settings.layout
@@ -215,18 +215,20 @@ def derive_layers(teacher: nn.Module, windows: torch.Tensor, settings: DeriveSet
         weight = weight / weight.mean()  # [T]
 
         contrib = neuron_contributions(layer.mlp, h)  # [T, I]
-        split = cover_neurons if layout.is_cover else split_neurons
-        shared, experts = split(contrib, layout, tokens=settings.cluster_tokens, iters=settings.cluster_iters,
-                                seed=seed + i)
-        ffn = init_moe_ffn(layer.mlp, shared, experts, layout.top_k, cover=layout.is_cover)
+        if layout.is_cover:
+            experts = cover_neurons(contrib, layout, tokens=settings.cluster_tokens, iters=settings.cluster_iters,
+                                    seed=seed + i)
+            ffn = init_cover_ffn(layer.mlp, experts, layout.top_k)
+        else:
+            shared, experts = split_neurons(contrib, layout, tokens=settings.cluster_tokens,
+                                            iters=settings.cluster_iters, seed=seed + i)
+            ffn = init_moe_ffn(layer.mlp, shared, experts, layout.top_k)
         mass = contrib[:, experts.reshape(-1)].view(contrib.shape[0], layout.num_experts, -1).sum(-1)  # [T, N]
         oracle = (mass.topk(layout.top_k, dim=-1).values.sum(1) / mass.sum(1).clamp_min(1e-12)).mean().item()
         captured = fit_router(ffn, h, mass, steps=settings.router_steps, batch=settings.router_batch,
                               lr=settings.router_lr, seed=seed + 1000 + i)
-        if layout.is_cover:
-            before, after = refit_tied_down(ffn, layer.mlp, shared, experts, h, target, weight, settings.ridge)
-        else:
-            before, after = refit_down(ffn, h, target, weight, settings.ridge)
+        refit = refit_tied_down if layout.is_cover else refit_down
+        before, after = refit(ffn, h, target, weight, settings.ridge)
         moe = moe + ffn.apply(h).view(B, L, H)
         drift = ((moe - dense).pow(2).sum(-1) / dense.pow(2).sum(-1)).mean().item()
         ffns.append(ffn)
@@ -235,11 +237,19 @@ def derive_layers(teacher: nn.Module, windows: torch.Tensor, settings: DeriveSet
     return ffns, stats
 
 
+def empty_ffn(layout: MoeLayout, hidden: int, intermediate: int) -> MoeFFN | CoverFFN:
+    """A layer of ``layout``'s training form with zero parameters (to load a state dict into)."""
+    if layout.is_cover:
+        return CoverFFN(hidden, intermediate, torch.zeros(layout.num_experts, layout.expert_neurons, dtype=torch.long),
+                        layout.top_k)
+    return MoeFFN(hidden, layout.shared_size, layout.num_experts, layout.expert_size(intermediate), layout.top_k)
+
+
 # ---- the student and end-to-end distillation --------------------------------------------------------
 
 
-def student_from(teacher: nn.Module, ffns: Sequence[MoeFFN]) -> nn.Module:
-    """A copy of the teacher with each layer's feed-forward replaced by its MoeFFN."""
+def student_from(teacher: nn.Module, ffns: Sequence[MoeFFN | CoverFFN]) -> nn.Module:
+    """A copy of the teacher with each layer's feed-forward replaced by its MoE training form."""
     student = copy.deepcopy(teacher)
     for layer, ffn in zip(student.model.layers, ffns):
         layer.mlp = ffn
@@ -380,8 +390,7 @@ def build_default_moe(out_dir: str | Path, *, cache_dir: str | Path, seed: int =
     if saved is not None and saved.get("settings") == json.dumps(asdict(settings)) and saved.get("seed") == seed:
         ffns, layer_stats = [], saved["stats"]
         for state in saved["ffns"]:
-            ffn = MoeFFN(teacher.config.hidden_size, settings.layout.shared_size, settings.layout.num_experts,
-                         settings.layout.expert_size(teacher.config.intermediate_size), settings.layout.top_k)
+            ffn = empty_ffn(settings.layout, teacher.config.hidden_size, teacher.config.intermediate_size)
             ffn.load_state_dict(state)
             ffns.append(ffn)
     else:

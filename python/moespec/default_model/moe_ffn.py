@@ -6,20 +6,22 @@ Two layouts (:class:`MoeLayout`):
 - **partition** (``expert_neurons == 0``): S shared neurons + N experts of m = (I - S) / N neurons,
   every neuron in exactly one place (:func:`split_neurons`, balanced k-means over the neurons'
   co-activation); exact start (:func:`init_moe_ffn`): with K = N the layer is the dense one.
-- **cover** (``expert_neurons = m > 0``): N experts of m neurons each, chosen per cluster of tokens
-  (:func:`cover_neurons`: balanced k-means over the tokens' contribution profiles; an expert holds
-  the m neurons that carry most of its cluster's output), so a neuron sits in several experts and
-  N m may be several times I: the experts are the bulk of the weight bytes while one token runs K of
-  them, as in Qwen3-MoE and DeepSeek-V3. No start is exact; the down projections are refitted with
-  each neuron's copies tied (:func:`refit_tied_down`: one column per dense neuron, gated by the
-  routing weights of the token's experts that hold it). (Measured worse: fitting each expert alone
-  on its own tokens, relative error 0.5-0.7 a layer; one joint fit of all N m columns, which matched
-  the calibration tokens within 2% a layer and gave 8-26x the dense held-out perplexity; the same
-  over a third of the tokens, 0.23-0.28 relative error on the others.)
+- **cover** (``expert_neurons = m > 0``, no shared expert): N experts of m neurons each, chosen per
+  cluster of tokens (:func:`cover_neurons`: balanced k-means over the tokens' contribution profiles;
+  an expert holds the m neurons that carry most of its cluster's output), so a neuron sits in
+  several experts and N m may be several times I: the experts are the bulk of the weight bytes
+  while one token runs K of them, as in Qwen3-MoE and DeepSeek-V3. No start is exact; the down
+  projections are refitted with each neuron's copies tied (:func:`refit_tied_down`: one column per
+  dense neuron, gated by the routing weights of the token's experts that hold it), and expert e's
+  copy of neuron j differs from the others by a trained scale (:class:`CoverFFN`). (Measured worse:
+  fitting each expert alone on its own tokens, relative error 0.5-0.7 a layer; one joint fit of
+  all N m columns, which matched the calibration tokens within 2% a layer and gave 8-26x the dense
+  held-out perplexity; the same over a third of the tokens, 0.23-0.28 relative error on the
+  others.)
 
-The training form (:class:`MoeFFN`) computes only the routed experts (tokens grouped by expert, one
-pair of matmuls per expert), so a cover of 4 x the dense neurons trains at the cost of its K active
-experts.
+The training forms: :class:`MoeFFN` (a partition's) computes only the routed experts (tokens grouped
+by expert, one pair of matmuls per expert); :class:`CoverFFN` (a cover's) keeps the neurons once
+and runs at the dense layer's cost.
 
 Dimensions: T tokens, H hidden, I dense intermediate size, S shared size, N experts, m neurons per
 expert, K top-k, C padded tokens per expert.
@@ -27,6 +29,7 @@ expert, K top-k, C padded tokens per expert.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +69,9 @@ class MoeLayout:
         if self.shared_size < 0 or self.expert_neurons < 0:
             raise ValueError(f"MoeLayout: shared_size and expert_neurons must be >= 0, got {self.shared_size}, "
                              f"{self.expert_neurons}")
+        if self.is_cover and self.shared_size:
+            raise ValueError(f"MoeLayout: a cover (expert_neurons > 0) has no shared expert, got shared_size "
+                             f"{self.shared_size}")
 
 
 class MoeFFN(nn.Module):
@@ -151,15 +157,73 @@ class MoeFFN(nn.Module):
         return out
 
 
-def init_moe_ffn(mlp: nn.Module, shared: torch.Tensor, experts: torch.Tensor, top_k: int, *,
-                 cover: bool = False) -> MoeFFN:
+class CoverFFN(nn.Module):
+    """A cover's training form, exact for its checkpoint: the routed experts' neurons kept as the dense
+    layer's I rows (gate, up) and I down columns, expert e holding the neurons ``experts[e]`` [m] with
+    its own scale ``scale[e]`` [m] on each one's down column. A token's output is then
+    sum_j d_j a_j(t) g_j(t) with g_j(t) = sum over the token's selected experts e holding j of
+    w_e(t) scale[e, j]: three dense matmuls and one [T, N] x [N, I] product, against N m rows in the
+    expanded layer (4.3x the dense neurons for the 64 x 104 cover), so distillation runs at the dense
+    model's cost. Its checkpoint (:meth:`checkpoint_tensors`) is the Mixtral layer: expert e's rows
+    are the dense rows of its neurons, its down columns d_j scale[e, j].
+    """
+
+    def __init__(self, hidden: int, intermediate: int, experts: torch.Tensor, top_k: int):
+        super().__init__()
+        N, m = experts.shape
+        self.num_experts, self.expert_size, self.top_k, self.shared_size = N, m, top_k, 0
+        zeros = lambda *shape: nn.Parameter(torch.zeros(*shape))  # noqa: E731
+        self.router = zeros(N, hidden)  # [N, H]
+        self.gate_proj, self.up_proj = zeros(intermediate, hidden), zeros(intermediate, hidden)  # [I, H]
+        self.down_proj = zeros(hidden, intermediate)  # [H, I]
+        self.scale = nn.Parameter(torch.ones(N, m))  # [N, m]
+        self.register_buffer("experts", experts.clone().long())  # [N, m] neuron ids
+
+    routing = MoeFFN.routing
+
+    def neuron_gates(self, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """g [T, I]: each neuron's summed scaled routing weight over the token's selected experts."""
+        T, (N, I) = top.shape[0], (self.num_experts, self.gate_proj.shape[0])
+        dense_w = weights.new_zeros(T, N).scatter(1, top, weights)  # [T, N]
+        return dense_w @ self.scale.new_zeros(N, I).scatter(1, self.experts, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        top, weights = self.routing(h)
+        act = F.silu(h @ self.gate_proj.T) * (h @ self.up_proj.T) * self.neuron_gates(top, weights)
+        return (act @ self.down_proj.T).reshape(x.shape)
+
+    apply = MoeFFN.apply
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The Mixtral layer's tensors (``prefix`` = "model.layers.{i}.mlp.")."""
+        e = self.experts
+        gate_up = torch.cat([self.gate_proj.detach()[e], self.up_proj.detach()[e]], dim=1)  # [N, 2m, H]
+        down = self.down_proj.detach()[:, e].permute(1, 0, 2) * self.scale.detach()[:, None, :]  # [N, H, m]
+        return {prefix + "gate.weight": self.router.detach(), prefix + "experts.gate_up_proj": gate_up,
+                prefix + "experts.down_proj": down}
+
+
+def init_cover_ffn(mlp: nn.Module, experts: torch.Tensor, top_k: int) -> CoverFFN:
+    """The dense SwiGLU ``mlp`` as a CoverFFN over ``experts`` [N, m] neuron ids: its rows and columns,
+    scales 1, router zero (fit_router and refit_tied_down fit them next)."""
+    gate = mlp.gate_proj.weight.detach()
+    ffn = CoverFFN(gate.shape[1], gate.shape[0], experts, top_k)
+    with torch.no_grad():
+        ffn.gate_proj.copy_(gate)
+        ffn.up_proj.copy_(mlp.up_proj.weight.detach())
+        ffn.down_proj.copy_(mlp.down_proj.weight.detach())
+    return ffn
+
+
+def init_moe_ffn(mlp: nn.Module, shared: torch.Tensor, experts: torch.Tensor, top_k: int) -> MoeFFN:
     """The dense SwiGLU ``mlp`` (gate_proj/up_proj/down_proj) as a MoeFFN: ``shared`` [S] neuron ids,
     ``experts`` [N, m] neuron ids per expert.
 
     Router and shared gate are zero, so the shared expert is scaled by sigmoid(0) = 1/2 (its down
-    projection by 2 makes up for it). A partition's routed down projections are scaled by K: each
-    selected expert weighs 1/K, so with K = N every neuron runs with weight 1 and the output equals
-    ``mlp``'s (exact). A cover's are the dense ones (refit_down fits them next).
+    projection by 2 makes up for it). The routed down projections are scaled by K: each selected
+    expert weighs 1/K, so with K = N every neuron runs with weight 1 and the output equals ``mlp``'s
+    (exact).
     """
     gate, up, down = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach()
     N, m = experts.shape
@@ -169,7 +233,7 @@ def init_moe_ffn(mlp: nn.Module, shared: torch.Tensor, experts: torch.Tensor, to
         ffn.shared_up_proj.copy_(up[shared])
         ffn.shared_down_proj.copy_(down[:, shared] * 2.0)
         ffn.gate_up.copy_(torch.cat([gate[experts], up[experts]], dim=1))  # [N, 2m, H]
-        ffn.down.copy_(down[:, experts].permute(1, 0, 2) * (1.0 if cover else float(top_k)))  # [N, H, m]
+        ffn.down.copy_(down[:, experts].permute(1, 0, 2) * float(top_k))  # [N, H, m]
     return ffn
 
 
@@ -238,22 +302,31 @@ def split_neurons(contrib: torch.Tensor, layout: MoeLayout, *, tokens: int, iter
     return shared, _canonical(experts)
 
 
-def cover_neurons(contrib: torch.Tensor, layout: MoeLayout, *, tokens: int, iters: int,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A cover: (shared [S], experts [N, m]) neuron ids from contributions [T, I]; ``tokens`` tokens
-    are clustered into N equal clusters by their contribution profiles over the non-shared neurons,
-    and expert e takes the m neurons of largest mean contribution over cluster e."""
-    m = layout.expert_size(contrib.shape[1])
-    shared, rest = _shared_and_rest(contrib, layout.shared_size)
+def cover_neurons(contrib: torch.Tensor, layout: MoeLayout, *, tokens: int, iters: int, seed: int) -> torch.Tensor:
+    """A cover: experts [N, m] neuron ids from contributions [T, I]. ``tokens`` tokens are clustered
+    into N equal clusters by their contribution profiles; then (expert, neuron) pairs are taken
+    greedily in order of the neuron's share of the cluster's mean contribution, each expert up to m
+    neurons and each neuron in at most ceil(1.2 N m / I) experts. (Without that cap the few neurons
+    strong everywhere sit in every expert, and a token's K experts held 280-440 distinct neurons of
+    their 832 slots, 36-39% of its contribution mass; capped: 530-580, 47-49%, measured on two
+    layers of the 64 x 104 cover.)"""
+    N, m = layout.num_experts, layout.expert_size(contrib.shape[1])
+    I = contrib.shape[1]
     stride = max(1, contrib.shape[0] // tokens)
-    profile = contrib[::stride, rest]  # [t, I - S]
+    profile = contrib[::stride]  # [t, I]
     unit = profile / profile.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    assign = balanced_kmeans(unit, layout.num_experts, iters, seed)
-    experts = []
-    for e in range(layout.num_experts):
-        mean = profile[assign == e].mean(0)  # [I - S]
-        experts.append(torch.sort(rest[torch.argsort(mean, descending=True, stable=True)[:m]]).values)
-    return shared, _canonical(torch.stack(experts))
+    assign = balanced_kmeans(unit, N, iters, seed)
+    score = torch.stack([profile[assign == e].mean(0) for e in range(N)])  # [N, I]
+    score = score / score.sum(1, keepdim=True).clamp_min(1e-12)
+    cap = math.ceil(1.2 * N * m / I)
+    used, count, members = [0] * I, [0] * N, [[] for _ in range(N)]
+    for idx in torch.argsort(score.reshape(-1), descending=True, stable=True).tolist():
+        e, j = divmod(idx, I)
+        if count[e] < m and used[j] < cap:
+            members[e].append(j)
+            count[e] += 1
+            used[j] += 1
+    return _canonical(torch.stack([torch.sort(torch.tensor(ids)).values for ids in members]))
 
 
 # ---- fitting --------------------------------------------------------------------------------------------
@@ -321,28 +394,17 @@ def refit_down(ffn: MoeFFN, h: torch.Tensor, target: torch.Tensor, weight: torch
     return before, layer_error(ffn, h, target, weight)
 
 
-def refit_tied_down(ffn: MoeFFN, mlp: nn.Module, shared: torch.Tensor, experts: torch.Tensor, h: torch.Tensor,
-                    target: torch.Tensor, weight: torch.Tensor, ridge: float) -> tuple[float, float]:
-    """A cover's down projections with every copy of a neuron tied: one column d_j per dense neuron j,
-    fitted by ridge regression (towards the start) onto ``target`` [T, H] with neuron j gated by the
-    summed routing weights of the token's experts that hold it (the shared ones by the shared gate),
-    then copied into each expert holding j. The layer output is then sum_j g_j(t) a_j(t) d_j: I
-    columns to fit, as for a partition, instead of N m nearly collinear ones (whose joint fit
-    matched the calibration tokens and failed on held-out text). Distillation unties the copies.
-    Returns the weighted relative squared error before and after."""
+def refit_tied_down(ffn: CoverFFN, h: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+                    ridge: float) -> tuple[float, float]:
+    """A cover's down columns (one per dense neuron, every copy of a neuron tied: CoverFFN's form,
+    scales 1) by ridge regression (towards the start) onto ``target`` [T, H], with neuron j gated by
+    the summed routing weights of the token's experts that hold it. I columns to fit, as for a
+    partition, instead of N m nearly collinear ones (whose joint fit matched the calibration tokens
+    and failed on held-out text). Distillation then trains the per-expert scales, which untie the
+    copies. Returns the weighted relative squared error before and after."""
     before = layer_error(ffn, h, target, weight)
-    T, N, I = h.shape[0], ffn.num_experts, mlp.gate_proj.weight.shape[0]
-    act = F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)  # [T, I]
-    top, w = ffn.routing(h)
-    member = torch.zeros(N, I, dtype=act.dtype)
-    member[torch.arange(N)[:, None], experts] = 1.0
-    gate = torch.zeros(T, N, dtype=act.dtype).scatter(1, top, w.to(act.dtype)) @ member  # [T, I]
-    prior = mlp.down_proj.weight.detach().clone()  # [H, I]: the start's routed columns
-    if len(shared):
-        gate[:, shared] = torch.sigmoid(h @ ffn.shared_gate.T).to(act.dtype)
-        prior[:, shared] = ffn.shared_down_proj.detach()
-    down = _ridge(act * gate, target, weight, ridge, prior)  # [H, I]
     with torch.no_grad():
-        ffn.shared_down_proj.copy_(down[:, shared])
-        ffn.down.copy_(down[:, experts].permute(1, 0, 2))
+        act = F.silu(h @ ffn.gate_proj.T) * (h @ ffn.up_proj.T)  # [T, I]
+        gates = ffn.neuron_gates(*ffn.routing(h))  # [T, I]
+        ffn.down_proj.copy_(_ridge(act * gates, target, weight, ridge, ffn.down_proj.detach()))
     return before, layer_error(ffn, h, target, weight)

