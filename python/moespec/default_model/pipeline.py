@@ -42,7 +42,7 @@ from moespec.default_model.derive import (SHAKESPEARE, THREADS, DeriveSettings, 
                                           input_path)
 from moespec.ops.linear import cpu_bf16_is_fast
 
-RECIPE_VERSION = 2  # bump when the construction changes in a way the settings do not show
+RECIPE_VERSION = 3  # bump when the construction changes in a way the settings do not show
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_CACHE = REPO / "build" / "cache" / "default-model"
 DEFAULT_ENGINE = REPO / "build" / "engines" / "default"
@@ -55,7 +55,7 @@ class HeadSettings:
     on what: corpus text, and (``self_distill_prompts`` > 0) the MoE's own continuations of fitting
     prompts, greedy and sampled (:func:`write_self_distilled_corpus`)."""
 
-    steps: int = 80
+    steps: int = 120
     ttt_steps: int = 4
     draft_vocab: int = 8192
     batch_size: int = 8
@@ -63,8 +63,8 @@ class HeadSettings:
     lr: float = 1e-3
     amp: bool = True  # bf16 autocast for the head, where the CPU has bf16 dot products (else fp32)
     seed: int = 0
-    chars_per_domain: int = 1_000_000  # plays and code each; the prompt sets' fitting split is taken whole
-    self_distill_prompts: int = 0  # fitting prompts the MoE continues (half chat, half plays and code); 0: off
+    chars_per_domain: int = 300_000  # plays and code each; the prompt sets' fitting split is taken whole
+    self_distill_prompts: int = 512  # fitting prompts the MoE continues (half chat, half plays and code); 0: off
     self_distill_tokens: int = 128  # tokens generated per prompt
     self_distill_batch: int = 16  # requests decoded together
 
@@ -163,13 +163,13 @@ def write_head_corpus(path: Path, moe_dir: Path, cache: Path, recipe: Recipe) ->
     return {k: len(v) for k, v in docs.items()}
 
 
-def write_self_distilled_corpus(path: Path, moe_dir: Path, cache: Path, recipe: Recipe, *,
-                                progress: bool = True) -> dict[str, int]:
+def write_self_distilled_corpus(path: Path, moe_dir: Path, cache: Path, recipe: Recipe, *, progress: bool = True,
+                                dtype: str = "bf16") -> dict[str, int]:
     """The MoE's own continuations as JSON Lines ``{"input_ids": prompt + continuation}``: the head then
     learns to draft what the target writes, not what a corpus says. Prompts (fitting splits only,
     seeded): chat prompts of the prompt sets through the chat template, and openings of plays and
-    code; every other request greedy, the others sampled (temperature 0.8, top-p 0.95, seeded).
-    Returns sequences per kind."""
+    code; every other request greedy, the others sampled (temperature 0.8, top-p 0.95, seeded), in
+    ``dtype`` (the engine's: the head learns what the engine writes). Returns sequences per kind."""
     from transformers import AutoTokenizer
 
     from moespec.spec.llm import LLM
@@ -193,7 +193,7 @@ def write_self_distilled_corpus(path: Path, moe_dir: Path, cache: Path, recipe: 
     params = [SamplingParams(max_tokens=h.self_distill_tokens) if i % 2 == 0 else
               SamplingParams(max_tokens=h.self_distill_tokens, temperature=0.8, top_p=0.95, seed=h.seed + i)
               for i in range(len(prompts))]
-    llm = LLM(moe_dir, max_batch_size=h.self_distill_batch)  # plain decoding
+    llm = LLM(moe_dir, dtype=dtype, max_batch_size=h.self_distill_batch)  # plain decoding
     outs = llm.generate(prompts, params, use_tqdm=progress)
     lines = [json.dumps({"input_ids": o.prompt_token_ids + o.outputs[0].token_ids}) for o in outs]
     tmp = path.with_suffix(".partial")

@@ -13,7 +13,9 @@ Measures (:func:`report` returns them as a dict and prints a table):
   1, 4, 8, 16, 32 and 64 consecutive tokens against what independent tokens with the same
   per-expert usage would need (sum over experts of 1 - (1 - K share_e)^T): co-routing is the gap.
   The 60-token counts are checked against moespec's runtime, whose prefill reports each MoE
-  layer's unique experts.
+  layer's unique experts;
+- with ``--engine``, the engine's draft head on held-out chat prompts at its default tree: the
+  acceptance length and the share of steps that accepted at least d draft tokens, per depth d.
 
     python -m moespec.default_model.report --model build/default-moe --cache build/cache/default-model
 
@@ -138,9 +140,33 @@ def runtime_unique(model: Any, window: torch.Tensor, verify_tokens: int = VERIFY
     return [s.natural_unique for s in out.expert_stats_by_layer()]
 
 
+def acceptance_by_depth(lengths: Sequence[int], depth: int) -> list[float]:
+    """Share of speculation steps that accepted at least d draft tokens, d = 1 .. ``depth`` (a step
+    emits its accepted tokens + 1, ``lengths``)."""
+    n = max(len(lengths), 1)
+    return [sum(length - 1 >= d for length in lengths) / n for d in range(1, depth + 1)]
+
+
+def head_acceptance(engine: str | Path, prompts: Sequence[str], max_tokens: int) -> dict[str, Any]:
+    """The engine's draft head at its default tree, greedy, over ``prompts``: acceptance length
+    (tokens per step) and :func:`acceptance_by_depth`."""
+    from moespec.spec.llm import LLM
+    from moespec.spec.sampling import SamplingParams
+
+    llm = LLM(engine)
+    outs = llm.generate(list(prompts), SamplingParams(max_tokens=max_tokens), use_tqdm=False)
+    lengths = [n for o in outs for n in o.stats.acceptance_lengths]
+    tree = llm.speculative_config
+    return {"tree": {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens},
+            "prompts": len(prompts), "steps": len(lengths), "acceptance_length": sum(lengths) / max(len(lengths), 1),
+            "at_least": acceptance_by_depth(lengths, tree.depth)}
+
+
 def report(model_dir: str | Path, *, cache_dir: str | Path, windows: int = 16, window: int = 512,
-           max_new_tokens: int = 48, prompts: Sequence[str] = PROMPTS, print_table: bool = True) -> dict[str, Any]:
-    """Dense vs MoE on the held-out split; see the module docstring. Returns a JSON-able dict."""
+           max_new_tokens: int = 48, prompts: Sequence[str] = PROMPTS, print_table: bool = True,
+           engine: Optional[str | Path] = None, head_prompts: int = 24) -> dict[str, Any]:
+    """Dense vs MoE on the held-out split; see the module docstring; with ``engine``, also its head's
+    acceptance on ``head_prompts`` held-out chat prompts (64 tokens each). Returns a JSON-able dict."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(THREADS)
@@ -167,7 +193,11 @@ def report(model_dir: str | Path, *, cache_dir: str | Path, windows: int = 16, w
     routing["runtime_agrees"] = check == want
     result = {"perplexity": ppl, "samples": samples, "routing": routing, "layout": layout,
               "bytes": byte_profile(runtime, bytes_per_weight=2),  # bf16, as the engine
-              "held_out_tokens_per_domain": windows * window, "seconds": round(time.perf_counter() - clock, 1)}
+              "held_out_tokens_per_domain": windows * window}
+    if engine is not None:
+        chat = prompt_set_texts(tokenizer, "held", answers=False)
+        result["head"] = head_acceptance(engine, chat[:: max(1, len(chat) // head_prompts)][:head_prompts], 64)
+    result["seconds"] = round(time.perf_counter() - clock, 1)
     if print_table:
         print_report(result)
     return result
@@ -192,6 +222,11 @@ def print_report(r: dict[str, Any]) -> None:
     b = r["bytes"]
     print(f"\nbytes (bf16): a decode token reads {b['decode_mb']:.0f} MB, a verify touching every expert "
           f"{b['full_union_mb']:.0f} MB ({b['ratio']:.2f}x); routed experts {100 * b['expert_share']:.0f}% of the weights")
+    if "head" in r:
+        h = r["head"]
+        print(f"\nhead (tree {h['tree']}, {h['prompts']} held-out chat prompts, greedy): acceptance length "
+              f"{h['acceptance_length']:.2f}; steps accepting >= d draft tokens: "
+              + "  ".join(f"d={d + 1}: {v:.2f}" for d, v in enumerate(h["at_least"])))
     for s in r["samples"]:
         print(f"\n> {s['prompt']}\n  dense: {s['dense']!r}\n  MoE:   {s['moe']!r}")
 
@@ -201,9 +236,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--model", required=True, type=Path, help="the derived MoE folder (Mixtral or Qwen2-MoE)")
     p.add_argument("--cache", type=Path, default=Path(__file__).resolve().parents[3] / "build" / "cache" / "default-model")
     p.add_argument("--windows", type=int, default=16, help="held-out windows per domain")
+    p.add_argument("--engine", type=Path, help="an engine folder of this MoE: also its head's acceptance per depth")
     p.add_argument("--json", type=Path, help="also write the result here")
     args = p.parse_args(argv)
-    result = report(args.model, cache_dir=args.cache, windows=args.windows)
+    result = report(args.model, cache_dir=args.cache, windows=args.windows, engine=args.engine)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
