@@ -5,8 +5,8 @@
 #                       configure and build the native code (C++ always; CUDA when nvcc is found;
 #                       TensorRT plugins when TensorRT_ROOT points at an SDK) and install the package
 #                       in development mode (python/ on the venv's path, moespec._native in place)
-#                       and build the default engine (build/engines/default: a Qwen2-MoE derived from
-#                       SmolLM2-135M-Instruct and its EAGLE-3 head; about 20 minutes the first time,
+#                       and build the default engine (build/engines/default: a Mixtral-format MoE derived from
+#                       SmolLM2-135M-Instruct and its shipped EAGLE-3 head; about 25 minutes the first time,
 #                       cached in build/cache/default-model afterwards)
 #   ./build.sh test     build the native code as needed (not the default engine, which no test
 #                       needs), then run the C++ tests (ctest) and pytest; exits non-zero on any

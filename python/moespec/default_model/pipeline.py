@@ -55,7 +55,7 @@ class HeadSettings:
     on what: corpus text, and (``self_distill_prompts`` > 0) the MoE's own continuations of fitting
     prompts, greedy and sampled (:func:`write_self_distilled_corpus`)."""
 
-    steps: int = 120
+    steps: int = 80
     ttt_steps: int = 4
     draft_vocab: int = 8192
     batch_size: int = 8
@@ -71,13 +71,13 @@ class HeadSettings:
 
 @dataclass(frozen=True)
 class TreeSettings:
-    """The engine's default draft tree (SpeculativeConfig's depth, top_k, total_tokens), chosen by
-    measurement for a 2-core CPU, where a verify pass turns compute-bound past ~8 tokens (README
+    """The engine's default draft tree (SpeculativeConfig's depth, top_k, total_tokens): small, because
+    on a 2-core CPU a verify pass costs more than a decode step from the first extra token (README
     "The default model")."""
 
-    depth: int = 6
-    top_k: int = 8
-    total_tokens: int = 32
+    depth: int = 4
+    top_k: int = 4
+    total_tokens: int = 8
 
 
 @dataclass(frozen=True)
