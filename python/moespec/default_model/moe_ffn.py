@@ -74,7 +74,24 @@ class MoeLayout:
                              f"{self.shared_size}")
 
 
-class MoeFFN(nn.Module):
+class _RoutedFFN(nn.Module):
+    """What both training forms share: the softmax top-K router (``self.router`` [N, H],
+    ``self.top_k``) and a chunked forward."""
+
+    def routing(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-K experts [T, K] and their weights [T, K] (softmax of the top-K logits in fp32, as
+        Qwen2-MoE with norm_topk_prob and Mixtral compute them)."""
+        logits = h @ self.router.T  # [T, N]
+        top = logits.topk(self.top_k, dim=-1).indices  # [T, K]
+        return top, torch.softmax(logits.gather(1, top).float(), dim=-1).to(logits.dtype)
+
+    @torch.no_grad()
+    def apply(self, h: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """forward over [T, H] in chunks of tokens (bounded scratch for calibration-sized T)."""
+        return torch.cat([self(h[i : i + chunk]) for i in range(0, h.shape[0], chunk)])
+
+
+class MoeFFN(_RoutedFFN):
     """A Qwen2-MoE / Mixtral feed-forward (Mixtral when S = 0): softmax top-K router renormalised over
     the K, routed SwiGLU experts, and with S > 0 a shared expert scaled by sigmoid(shared_gate . x).
 
@@ -95,13 +112,6 @@ class MoeFFN(nn.Module):
     @property
     def shared_size(self) -> int:
         return self.shared_down_proj.shape[1]
-
-    def routing(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-K experts [T, K] and their weights [T, K] (softmax of the top-K logits in fp32, as
-        Qwen2-MoE with norm_topk_prob and Mixtral compute them)."""
-        logits = h @ self.router.T  # [T, N]
-        top = logits.topk(self.top_k, dim=-1).indices  # [T, K]
-        return top, torch.softmax(logits.gather(1, top).float(), dim=-1).to(logits.dtype)
 
     def shared_out(self, h: torch.Tensor) -> torch.Tensor:
         """The shared expert's output [T, H] (its gate applied); zeros without one."""
@@ -139,11 +149,6 @@ class MoeFFN(nn.Module):
         top, weights = self.routing(h)
         return (self.shared_out(h) + self.routed_out(h, top, weights)).reshape(x.shape)
 
-    @torch.no_grad()
-    def apply(self, h: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-        """forward over [T, H] in chunks of tokens (bounded scratch for calibration-sized T)."""
-        return torch.cat([self(h[i : i + chunk]) for i in range(0, h.shape[0], chunk)])
-
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """This layer's tensors under transformers' names (``prefix`` = "model.layers.{i}.mlp."):
         Qwen2-MoE's (with a shared expert) or Mixtral's (without)."""
@@ -157,7 +162,7 @@ class MoeFFN(nn.Module):
         return out
 
 
-class CoverFFN(nn.Module):
+class CoverFFN(_RoutedFFN):
     """A cover's training form, exact for its checkpoint: the routed experts' neurons kept as the dense
     layer's I rows (gate, up) and I down columns, expert e holding the neurons ``experts[e]`` [m] with
     its own scale ``scale[e]`` [m] on each one's down column. A token's output is then
@@ -179,8 +184,6 @@ class CoverFFN(nn.Module):
         self.scale = nn.Parameter(torch.ones(N, m))  # [N, m]
         self.register_buffer("experts", experts.clone().long())  # [N, m] neuron ids
 
-    routing = MoeFFN.routing
-
     def neuron_gates(self, top: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """g [T, I]: each neuron's summed scaled routing weight over the token's selected experts."""
         T, (N, I) = top.shape[0], (self.num_experts, self.gate_proj.shape[0])
@@ -192,8 +195,6 @@ class CoverFFN(nn.Module):
         top, weights = self.routing(h)
         act = F.silu(h @ self.gate_proj.T) * (h @ self.up_proj.T) * self.neuron_gates(top, weights)
         return (act @ self.down_proj.T).reshape(x.shape)
-
-    apply = MoeFFN.apply
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """The Mixtral layer's tensors (``prefix`` = "model.layers.{i}.mlp.")."""

@@ -232,7 +232,8 @@ def ship_head(trained: Path, key: str, heads: Path = SHIPPED_HEADS) -> Path:
     tmp = heads / f".draft-{key}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(trained / "model.safetensors").items()}
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
+               for k, v in load_file(trained / "model.safetensors").items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((trained / "config.json").read_text())
     config["torch_dtype"] = "bfloat16"
@@ -259,14 +260,18 @@ def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = 
 
     key, h = recipe.draft_key(), recipe.head
     out = cache / f"draft-{key}"
+    if train:
+        shutil.rmtree(out, ignore_errors=True)  # from scratch, as the shipped one was
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file() and (out / "train_log.json").is_file():
         _log(f"draft head: {out} (cached)")
         return out
     shipped = None if train else shipped_head(key)
     if shipped is not None:
+        partial = out.with_name(out.name + ".partial")
         shutil.rmtree(out, ignore_errors=True)
-        shutil.copytree(shipped, out.with_name(out.name + ".partial"), dirs_exist_ok=True)
-        os.replace(out.with_name(out.name + ".partial"), out)
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(shipped, partial)
+        os.replace(partial, out)
         _log(f"draft head: {out} (shipped in {shipped})")
         return out
     corpus = cache / f"draft-corpus-{key}.jsonl"
@@ -320,14 +325,12 @@ def build_default_engine(out: str | Path = DEFAULT_ENGINE, *, cache: Optional[st
                          recipe: Recipe = Recipe(), dtype: str = "bf16", fetch: bool = True,
                          progress: bool = True, train_head: bool = False, ship: bool = False) -> Path:
     """The default engine at ``out``: built unless it is already built from the current recipe.
-    ``train_head``: train the head even where one is shipped (removing a cached one first);
+    ``train_head``: train the head from scratch even where one is shipped or cached;
     ``ship``: then write it into the repository (:func:`ship_head`)."""
     from moespec.engine import build_engine
 
     clock = time.perf_counter()
     out = Path(out).absolute()
-    if train_head:
-        shutil.rmtree(cache_dir(cache) / f"draft-{recipe.draft_key()}", ignore_errors=True)
     moe, draft = provide(out, cache=cache, recipe=recipe, fetch=fetch, progress=progress, train_head=train_head)
     if ship:
         _log(f"shipped head written: {ship_head(draft, recipe.draft_key())}")
