@@ -87,7 +87,8 @@ void bind_decoder_step(py::module_& m) {
              const py::object& k_cache, const py::object& v_cache, const py::object& offsets, const py::object& start,
              const py::object& mask, const py::object& taps, const py::object& tap_out, const py::object& logit_rows,
              const py::object& logits, const py::object& stats, int max_experts, int policy, double coverage,
-             const py::object& slots, const py::object& embed) {
+             const py::object& slots, const py::object& embed, const py::object& trace_ids,
+             const py::object& trace_weights) {
             DecoderStepArgs a;
             a.x = to_view(x, "x");
             a.cos = to_view(cos, "cos");
@@ -104,6 +105,8 @@ void bind_decoder_step(py::module_& m) {
             a.stats = to_view(stats, "stats");
             a.slots = to_view(slots, "slots");
             a.embed = to_view(embed, "embed");
+            a.trace_ids = to_view(trace_ids, "trace_ids");
+            a.trace_weights = to_view(trace_weights, "trace_weights");
             MOESPEC_CHECK_ARG(policy == 0 || policy == 1, "policy", "expected 0 or 1, got ", policy);
             a.budget.max_experts = max_experts;
             a.budget.policy = static_cast<BudgetPolicy>(policy);
@@ -114,11 +117,13 @@ void bind_decoder_step(py::module_& m) {
           "One decode/verify step over packed tokens: x [P, H] in/out, cos/sin [P, D], caches [L, B, Hkv, S, D], "
           "offsets int32 [B+1], start int32 [B], mask int32 [P, W], taps int32 [NT] -> tap_out [NT, P, H], "
           "logit_rows int32 [R] -> logits [R, V], stats int32 [Lm, 4]; optional slots int32 [P] (slot offsets past "
-          "start) and embed [P, H] (layers with an embed_norm).",
+          "start), embed [P, H] (layers with an embed_norm) and the routing trace trace_ids int32 / trace_weights "
+          "float32 [Lm, P, K] (natural routing, written when given).",
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("offsets"),
           py::arg("start"), py::arg("mask"), py::arg("taps"), py::arg("tap_out"), py::arg("logit_rows"),
           py::arg("logits"), py::arg("stats"), py::arg("max_experts"), py::arg("policy"), py::arg("coverage"),
-          py::arg("slots") = py::none(), py::arg("embed") = py::none())
+          py::arg("slots") = py::none(), py::arg("embed") = py::none(),
+          py::arg("trace_ids") = py::none(), py::arg("trace_weights") = py::none())
       .def("set_profiling", &DecoderModel::set_profiling, "Turns per-phase timing of steps on or off.",
            py::arg("on"))
       .def(

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -102,7 +103,7 @@ struct DecoderModel::Workspace {
   AlignedBuffer act;       // staged activations (stage_values)
   AlignedBuffer bits;      // model-dtype copies for moe_experts / route_experts (bf16 models)
   AlignedBuffer bits_out;  // moe_experts' output in the model dtype
-  AlignedBuffer ids, weights, active;  // routing
+  AlignedBuffer ids, weights, active, trace_active;  // routing (trace_active: the traced natural routing's)
   AlignedBuffer row_req, row_slot;  // [P] request and cache slot of each row
   AlignedBuffer span;      // [B] slots past start a request's call covers
   AlignedBuffer e;         // [P, H] fp32 values of the embeddings (layers with an embed_norm)
@@ -481,6 +482,23 @@ void DecoderModel::step(const DecoderStepArgs& a) {
     check_contiguous(a.stats, "stats");  // (route_experts checks the budget at the first MoE layer; only
                                          // the new tokens' uncommitted slots are written by then)
   }
+  const bool tracing = a.trace_ids.defined() || a.trace_weights.defined();
+  if (tracing) {
+    MOESPEC_CHECK_ARG(a.trace_ids.defined() && a.trace_weights.defined(), "trace_ids",
+                      "trace_ids and trace_weights go together (give both or neither)");
+    MOESPEC_CHECK_ARG(num_moe_ > 0, "trace_ids", "the model has no MoE layer to trace");
+    const int64_t K = s.router.top_k;
+    for (const auto& [view, name, dt] : {std::tuple{&a.trace_ids, "trace_ids", DType::kInt32},
+                                          std::tuple{&a.trace_weights, "trace_weights", DType::kFloat32}}) {
+      check_not_null(*view, name);
+      check_ndim(*view, name, 3);
+      check_dim(*view, name, 0, num_moe_);
+      check_dim(*view, name, 1, P);
+      check_dim(*view, name, 2, K);
+      check_dtype(*view, name, {dt});
+      check_contiguous(*view, name);
+    }
+  }
 
   // ---- the step ----
   std::lock_guard<std::mutex> lock(step_mutex_);
@@ -620,6 +638,23 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       ra.budget = a.budget;
       ra.softmax_vector_width = s.softmax_vector_width;
       cpu::route_experts(ra);
+      if (tracing) {  // the natural routing: what was run, or (with a budget) a second, unbudgeted routing
+        int32_t* t_ids = a.trace_ids.ptr<int32_t>() + moe_index * P * K;
+        float* t_weights = a.trace_weights.ptr<float>() + moe_index * P * K;
+        if (a.budget.max_experts > 0) {
+          RouteExpertsArgs na = ra;
+          na.budget = ExpertBudget{};
+          na.ids = TensorView::contiguous(t_ids, DType::kInt32, {P, K});
+          na.weights = TensorView::contiguous(t_weights, DType::kFloat32, {P, K});
+          na.active = TensorView::contiguous(ws.trace_active.get<int32_t>(E), DType::kInt32, {E});
+          int32_t natural_stats[kRoutingStatsSize];
+          na.stats = TensorView::contiguous(natural_stats, DType::kInt32, {kRoutingStatsSize});
+          cpu::route_experts(na);
+        } else {
+          std::copy(ids, ids + P * K, t_ids);
+          std::copy(weights, weights + P * K, t_weights);
+        }
+      }
       if (s.weights_in_model_dtype)
         for (int64_t i = 0; i < P * K; ++i) weights[i] = r(weights[i]);
       clock.mark(kRoute);

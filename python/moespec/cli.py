@@ -9,6 +9,7 @@
     moespec train-draft --target <folder> --corpus <files...> --out <folder> [...]
     moespec bench throughput|latency|compare --engine <folder> --dataset <jsonl> [...]
     moespec bench roofline --engine <folder> [...]
+    moespec analyze trace|fit|predict|validate|profile|speedup|calibrate ...
     moespec prepare-dataset --out <file.jsonl> [--tokenizer <folder>] [--seed 420] <source> [...] ...
 
 Configuration flows one way: flags -> typed configs (SpeculativeConfig, SamplingParams) -> LLM.
@@ -95,6 +96,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from moespec.spec.train import main as train_main
 
         return train_main(argv[1:])
+    if argv and argv[0] == "analyze":
+        from moespec.cost.analyze import main as analyze_main
+
+        return analyze_main(argv[1:])
     if argv and argv[0] == "prepare-dataset":
         from moespec.data.datasets import main as prepare_main
 
@@ -106,6 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("build", help="build an engine folder (see moespec build --help)")
     sub.add_parser("bench", help="trtllm-bench-style benchmarks: throughput, latency, compare, roofline "
                                  "(see moespec bench --help)")
+    sub.add_parser("analyze", help="routing traces, the IPF coactivation model, the cost model of speculation "
+                                   "(see moespec analyze --help)")
     sub.add_parser("prepare-dataset", help="write a trtllm-bench JSON Lines dataset (see moespec prepare-dataset --help)")
     args = parser.parse_args(argv)
     if args.command == "generate":

@@ -104,6 +104,11 @@ struct DecoderStepArgs {
   TensorView logit_rows;  // [R] int32: rows of x whose logits are computed
   TensorView logits;      // out [R, V] model dtype
   TensorView stats;       // out [Lm, 4] int32: RoutingStats per MoE layer
+  // Routing trace (optional, both or neither; python/moespec/models/trace.py): the natural
+  // (unbudgeted) top-K ids and weights of every token at every MoE layer. With a budget the step
+  // routes a second time without it for the trace; without one it copies the routing it ran.
+  TensorView trace_ids;      // out [Lm, P, K] int32
+  TensorView trace_weights;  // out [Lm, P, K] float32
   ExpertBudget budget;    // max_experts 0: no budget
 };
 

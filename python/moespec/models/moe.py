@@ -58,12 +58,15 @@ def shared_expert(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
 
 def moe_forward(
     x: torch.Tensor, layer: LayerWeights, moe: MoeConfig, budget: Optional[ExpertBudget] = None,
-    impl: str = "kernel",
+    impl: str = "kernel", trace: Optional[list[Routing]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes the P tokens of ``x`` [P, H] (together: the budget is per layer per batch) and runs the
-    experts. Returns the feed-forward output [P, H] and the routing stats int32 [4]."""
+    experts. Returns the feed-forward output [P, H] and the routing stats int32 [4]. ``trace``: a
+    list the natural (unbudgeted) routing is appended to (moespec.models.trace)."""
     logits = F.linear(x, layer.router)  # [P, E], in the model dtype as transformers computes it
     routing = route_experts(logits, moe.router, budget)
+    if trace is not None:
+        trace.append(routing if budget is None else route_experts(logits, moe.router, None))
     if impl == "reference" or x.device.type != "cpu":
         out = experts_reference(x, routing, layer, moe)
     else:

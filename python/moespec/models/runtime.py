@@ -70,6 +70,8 @@ class TargetModel:
         self._backend_choice = backend
         self.backend = None
         self.moe_impl = moe_impl or os.environ.get("MOESPEC_MOE_IMPL", "kernel")  # chooses the backend too
+        # receives every call's natural routing when set (moespec.models.trace.RoutingObserver); None: off
+        self.observer = None
 
     @property
     def moe_impl(self) -> str:
@@ -124,6 +126,7 @@ class TargetModel:
             raise ValueError(f"prefill: logits must be 'last' or 'all', got {logits!r}")
         seqs = self._token_lists(cache, prompts, "prompts")
         out = self.backend.forward(cache, seqs, None, None, last_only=logits == "last")
+        self._observe("prefill", cache, seqs, None, out)
         self._advance(cache, out.num_tokens)
         return out
 
@@ -134,6 +137,7 @@ class TargetModel:
             tokens = tokens.reshape(-1).tolist()
         seqs = self._token_lists(cache, [[] if t is None else [t] for t in tokens], "tokens")
         out = self.backend.forward(cache, seqs, None, None, last_only=True)
+        self._observe("decode", cache, seqs, None, out)
         self._advance(cache, out.num_tokens)
         return out
 
@@ -161,6 +165,7 @@ class TargetModel:
                 if not 0 <= p < i:
                     raise ValueError(f"verify: tree {b}: node {i} has parent {p}; parents must be earlier nodes")
         out = self.backend.forward(cache, seqs, parent_lists, budget, last_only=False)
+        self._observe("verify", cache, seqs, parent_lists, out)
         cache.pending = PendingTree(parent_lists)
         return out
 
@@ -192,6 +197,7 @@ class TargetModel:
             raise ValueError("verify_trees: no tokens to run")
         out = self.backend.forward(cache, seqs, parents, budget, last_only=False,
                                    geo=tree_geometry(trees, cache.lengths))
+        self._observe("verify", cache, seqs, parents, out)
         cache.pending = PendingTree(parents)
         return out
 
@@ -243,6 +249,11 @@ class TargetModel:
         if not any(out):
             raise ValueError(f"{what}: no tokens to run")
         return out
+
+    def _observe(self, kind: str, cache: KVCache, seqs, parents, out: ForwardOutput) -> None:
+        if self.observer is not None and out.routing is not None:
+            self.observer.record(kind, list(cache.lengths), seqs, parents, out.routing[0].numpy(),
+                                 out.routing[1].numpy())
 
     def _advance(self, cache: KVCache, num: list[int]) -> None:
         for b, n in enumerate(num):

@@ -54,6 +54,9 @@ class ForwardOutput:
     hidden: tuple[torch.Tensor, ...]  # per tap layer: the residual stream after it, [B, T, H]
     expert_stats: torch.Tensor  # int32 [MoE layers, 4]: natural unique, kept, re-routed, dropped
     num_tokens: list[int]  # [B] new tokens per request (T = max)
+    # the natural routing of the call's tokens, packed request after request, when the model has an
+    # observer (moespec.models.trace): ids int32 and weights float32 [MoE layers, P, K]
+    routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def expert_stats_by_layer(self) -> list[RoutingStats]:
         return [RoutingStats(*row) for row in self.expert_stats.tolist()]
@@ -157,13 +160,14 @@ class ReferenceBackend:
         mask = batch.visible[:, None]  # [B, 1, T, S]
         x = F.embedding(batch.tokens, w.embed)  # [B, T, H]
         tapped, stats = {}, []
+        trace: Optional[list] = [] if model.observer is not None and c.moe is not None else None
         for i, layer in enumerate(w.layers):
             x = x + self._attention(i, layer, rms_norm(x, layer.input_norm, c.rms_norm_eps), cos, sin, mask, cache,
                                     batch, S)
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             if c.is_moe_layer(i):
                 y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, budget,  # valid tokens only
-                                             model.moe_impl)
+                                             model.moe_impl, trace=trace)
                 mlp = torch.zeros_like(h)
                 mlp[batch.rows, batch.cols] = y
                 stats.append(layer_stats)
@@ -180,8 +184,11 @@ class ReferenceBackend:
         if last_only:
             logits = logits * batch.valid.any(dim=1, keepdim=True)  # zeros for requests without new tokens
         expert_stats = torch.stack(stats) if stats else torch.zeros(0, 4, dtype=torch.int32)
+        routing = None
+        if trace is not None:
+            routing = (torch.stack([r.ids for r in trace]), torch.stack([r.weights for r in trace]).float())
         return ForwardOutput(logits=logits, hidden=tuple(tapped[t] for t in model.taps), expert_stats=expert_stats,
-                             num_tokens=list(batch.num))
+                             num_tokens=list(batch.num), routing=routing)
 
     def _attention(self, index: int, layer, h: torch.Tensor, cos, sin, mask, cache: KVCache, batch: _Batch,
                    S: int) -> torch.Tensor:
@@ -264,11 +271,18 @@ class NativeBackend:
         taps = torch.tensor(model.taps, dtype=torch.int32)  # [NT]
         tap_out = torch.empty(len(model.taps), P, c.hidden_size, dtype=model.dtype)  # [NT, P, H]
         stats = torch.empty(self._num_moe, 4, dtype=torch.int32)  # [Lm, 4]
+        routing = None
+        if model.observer is not None and c.moe is not None:
+            K = c.moe.top_k
+            routing = (torch.empty(self._num_moe, P, K, dtype=torch.int32),  # [Lm, P, K]
+                       torch.empty(self._num_moe, P, K, dtype=torch.float32))
+        trace_views = {"trace_ids": view(routing[0], "trace_ids"),
+                       "trace_weights": view(routing[1], "trace_weights")} if routing is not None else {}
         self.decoder.step(
             view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k, "k_cache"), view(cache.v, "v_cache"),
             view(offsets, "offsets"), view(start, "start"), view(mask, "mask"), view(taps, "taps"),
             view(tap_out, "tap_out"), view(logit_rows, "logit_rows"), view(logits, "logits"), view(stats, "stats"),
-            *budget_codes(budget))
+            *budget_codes(budget), **trace_views)
         B = len(seqs)
         if last_only:
             if len(rows) < B:  # zeros for requests without new tokens
@@ -278,7 +292,7 @@ class NativeBackend:
         else:
             logits = _pad(logits, geo.offsets, num)
         hidden = tuple(_pad(tap_out[i], geo.offsets, num) for i in range(len(model.taps)))
-        return ForwardOutput(logits=logits, hidden=hidden, expert_stats=stats, num_tokens=num)
+        return ForwardOutput(logits=logits, hidden=hidden, expert_stats=stats, num_tokens=num, routing=routing)
 
 
 def _pad(packed: torch.Tensor, offsets: list[int], num: list[int]) -> torch.Tensor:
