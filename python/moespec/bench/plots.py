@@ -96,10 +96,17 @@ def experts_plot(rows: Sequence[dict[str, Any]], layers: dict[str, Sequence[floa
 
 
 def _save(plt: Any, fig: Any, path: Union[str, Path]) -> Path:
-    """Lays out, writes (creating the folder) and closes ``fig``; returns the path."""
+    """Lays out, writes atomically (creating the folder) and closes ``fig``; returns the path."""
+    import os
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return path

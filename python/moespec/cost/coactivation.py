@@ -2,26 +2,30 @@
 
 DESIGN.md "Coactivation model and cost model"; the formulation is written out in the README
 ("The IPF model of unique experts"). In short, per MoE layer and expert e, let z_b be the number of
-tokens of request b of a pass that route to e (x_t in {0, 1} per token). By linearity,
+tokens of request b of a pass that route to e. By linearity,
 
     E[unique experts] = sum_e P(no token of the pass routes to e) = sum_e P(z_b = 0 for all b).
 
-The model is the maximum-entropy distribution of the token indicators given, for every request
-group, E[z_b] = n_b p_e (the marginal) and E[C(z_b, 2)] = sum over its pairs of q_e(relation) (the
-within-request overlaps), and E[sum_{b<b'} z_b z_b'] = cross pairs x q_e(cross). Its form is
+Each request b has a propensity pi_b in [0, 1] (given it, its tokens route to e independently);
+the model is the maximum-entropy density of (pi_1, ..., pi_B) with E[pi_b] = p_e (the marginal),
+E[pi_b^2] = the request shape's pair-averaged overlap (its census of pair classes weights the
+q_e(relation)) and E[pi_b pi_b'] = q_e(cross):
 
-    P(x) ~ prod_b exp(h_b z_b + J_b C(z_b, 2)) * exp(J_x sum_{b<b'} z_b z_b'),
+    density ~ prod_b exp(a_b pi_b + b_b pi_b^2) * exp(c sum_{b<b'} n_b n_b' pi_b pi_b'),
 
-exchangeable within a request, fitted by iterative proportional fitting: cycles of Newton steps on
-one constraint set at a time until every constraint holds to ``tol``. The cross coupling (J_x >= 0)
-is integrated with a Gaussian (Hubbard-Stratonovich) variable, given which requests are
-independent. Baselines: ``uniform`` N (1 - (1 - k/N)^n), ``independent`` sum_e 1 - (1 - p_e)^n.
+fitted by iterative proportional fitting (:func:`fit_maxent`: cyclic damped-Newton projections on
+one constraint set at a time until every constraint holds to ``tol``); the cross coupling is
+integrated with a Gaussian variable (c < 0 through the characteristic function). Predictions fit
+each request shape once and add the cross term in closed form to first order in c
+(:func:`expected_unique`). Baselines: ``uniform`` N (1 - (1 - k/N)^n), ``independent``
+sum_e 1 - (1 - p_e)^n.
 
 Overlaps q_e(r) are stored as lifts q / m^2 (m: the marginal of the tokens in such pairs), shrunk
 toward the layer's pooled lift, and applied to the prediction marginals p_e; a class the trace lacks
 falls back to its nearest measured relative (FALLBACK).
 
-Dimensions: L MoE layers, N experts, E = L * N (solved together), G request groups, Q grid points.
+Dimensions: L MoE layers, N experts, E = L * N (solved together), G request groups, P propensity
+nodes, Q Gaussian nodes, B requests of a pass.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 import numpy as np
 
-from moespec.cost.relations import (RELATIONS, WITHIN, Group, PairStatistics, group_census, indicators,
+from moespec.cost.relations import (RELATIONS, Group, PairStatistics, group_census, indicators,
                                     trace_pair_statistics)
 
 MODEL_FORMAT, MODEL_VERSION = "moespec-coactivation", 1
@@ -143,12 +147,12 @@ class CoactivationModel:
         if key not in cache:
             sizes, mult, p, q, _ = shape_targets(self, [group])
             fit = fit_maxent(sizes, mult, p, q, p * p)
-            pi, log_pw = _pi_grid()
-            logits = log_pw[:, None] + np.outer(pi, fit.a[0]) + np.outer(pi * pi, fit.b[0])  # [P, E]
+            pi, log_pw = pi_grid(p, fit.q[0])
+            logits = log_pw + pi * fit.a[0] + pi * pi * fit.b[0]  # [P, E]
             w = np.exp(logits - _logsumexp(logits, 0)[None])
-            none = np.einsum("pe,p->e", w, (1 - pi) ** group.n)
-            var = np.einsum("pe,p->e", w, pi * pi) - p * p
-            shift = np.einsum("pe,p->e", w, pi * (1 - pi) ** group.n) / np.maximum(none, 1e-300) - p
+            none = (w * (1 - pi) ** group.n).sum(0)
+            var = (w * pi * pi).sum(0) - p * p
+            shift = (w * pi * (1 - pi) ** group.n).sum(0) / np.maximum(none, 1e-300) - p
             cache[key] = (none, np.maximum(var, 0.0), shift)
         return cache[key]
 
@@ -190,16 +194,18 @@ def _pooled(lift: np.ndarray, p: np.ndarray) -> np.ndarray:
 # ---- the maximum-entropy fit --------------------------------------------------------------------
 
 
-_PI, _LOG_PI_W = None, None
+_GL = np.polynomial.legendre.leggauss(40)
 
 
-def _pi_grid(points: int = 40) -> tuple[np.ndarray, np.ndarray]:
-    """Gauss-Legendre nodes on (0, 1) and their log weights (a request's propensity pi)."""
-    global _PI, _LOG_PI_W
-    if _PI is None:
-        x, w = np.polynomial.legendre.leggauss(points)
-        _PI, _LOG_PI_W = (x + 1) / 2, np.log(w / 2)
-    return _PI, _LOG_PI_W
+def pi_grid(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Gauss-Legendre nodes [P, E] and log weights of each expert's propensity pi, on its window
+    [max(0, p - 10 sd), min(1, p + 10 sd)], sd = sqrt(q - p^2): the model's support (a max-ent
+    density with these moments has no mass to speak of beyond it, and a narrow density is resolved)."""
+    sd = np.maximum(np.sqrt(np.maximum(q - p * p, 0.0)), 1e-7)
+    lo, hi = np.maximum(p - 10 * sd, 0.0), np.minimum(p + 10 * sd, 1.0)
+    x, w = _GL
+    pi = lo[None] + (hi - lo)[None] * (x[:, None] + 1) / 2  # [P, E]
+    return pi, np.log(w[:, None] * (hi - lo)[None] / 2)
 
 
 def _g_grid(points: int = 20) -> tuple[np.ndarray, np.ndarray]:
@@ -221,11 +227,12 @@ class MaxEntFit:
     b: np.ndarray  # [G, E]: the coefficient of pi^2
     c: np.ndarray  # [E]: the cross coupling of sum_{b<b'} n_b n_b' pi_b pi_b' (< 0: anti-co-routing)
     p_none: np.ndarray  # [E]: P(no token of the pass routes to the expert)
+    q: np.ndarray  # [G, E]: the second moments fitted (after the feasibility clamp)
     residual: float  # largest relative constraint error after fitting
     iterations: int
 
 
-def _moments(sizes, mult, a, b, c, center, grid):
+def _moments(sizes, mult, a, b, c, center, grid, pis):
     """Under the model: per group E[pi], E[pi^2] and their within-g (co)variances, the cross moment
     E[sum_{b<b'} n_b n_b' pi_b pi_b'], P(no token routes to the expert) and log Z (all [E]).
 
@@ -233,20 +240,19 @@ def _moments(sizes, mult, a, b, c, center, grid):
     S = sum_b y_b, and integrated over g ~ N(0, 1): exp(c (S - C)^2 / 2) = E_g exp(s g (S - C)) with
     s = sqrt(c) for c >= 0 and s = i sqrt(-c) (the characteristic function) for c < 0; given g the
     requests are independent. With c < 0 the per-g terms are complex and their sum is real."""
-    pi, log_pw = _pi_grid()
     g, log_gw = grid
     complex_ = bool((c < 0).any())
     s = np.where(c >= 0, np.sqrt(np.abs(c)), 0.0) + (1j * np.sqrt(np.abs(c)) * (c < 0) if complex_ else 0.0)
     omega = log_gw[:, None] - s[None, :] * g[:, None] * center[None, :]  # [Q, E]
     per = []
-    for n, m, ag, bg in zip(sizes, mult, a, b):
+    for n, m, ag, bg, (pi, log_pw) in zip(sizes, mult, a, b, pis):
         tilt = (c * center)[None, :] + s[None, :] * g[:, None]  # [Q, E]: added to the field on y = n pi
-        base = log_pw[:, None] + np.outer(pi, ag) + np.outer(pi * pi, bg - c * n * n / 2)  # [P, E]
-        logits = base[None] + (n * pi)[None, :, None] * tilt[:, None, :]  # [Q, P, E]
+        base = log_pw + pi * ag + pi * pi * (bg - c * n * n / 2)  # [P, E]
+        logits = base[None] + (n * pi)[None] * tilt[:, None, :]  # [Q, P, E]
         A = _logsumexp(logits, 1)  # [Q, E]
         w = np.exp(logits - A[:, None, :])
-        powers = np.stack([pi, pi**2, pi**3, pi**4, (1 - pi) ** n], axis=1)  # [P, 5]
-        m1, m2, m3, m4, none = np.einsum("qpe,pk->kqe", w, powers)  # none: E[(1 - pi)^n | g]
+        powers = np.stack([pi, pi**2, pi**3, pi**4, (1 - pi) ** n])  # [5, P, E]
+        m1, m2, m3, m4, none = np.einsum("qpe,kpe->kqe", w, powers)  # none: E[(1 - pi)^n | g]
         per.append((A, m1, m2, m2 - m1 * m1, m4 - m2 * m2, m3 - m1 * m2, none, n))
         omega = omega + m * A
     log_z = _logsumexp(omega, 0)
@@ -295,8 +301,12 @@ def fit_maxent(sizes: Sequence[int], mult: Sequence[int], p: np.ndarray, q: np.n
     free = np.concatenate([np.ones(G, dtype=bool), paired, [use_cross]])
     target = np.concatenate([np.broadcast_to(p, (G, E)), q, X[None]])  # [2G + 1, E]
 
+    # a one-token request's spread is not identified (nothing depends on it): any window will do
+    q = np.stack([q[i] if paired[i] else p * p + 0.01 * p * (1 - p) for i in range(G)])
+    pis = [pi_grid(p, q[i]) for i in range(G)]
+
     def evaluate(theta):
-        out, cross, p_none, log_z = _moments(sizes, mult, theta[:G], theta[G : 2 * G], theta[-1], center, grid)
+        out, cross, p_none, log_z = _moments(sizes, mult, theta[:G], theta[G : 2 * G], theta[-1], center, grid, pis)
         got = np.concatenate([np.stack([o[0] for o in out]), np.stack([o[1] for o in out]), cross[None]])
         weights = np.concatenate([mult_a, mult_a, np.ones((1, 1))])
         value = log_z - (weights * theta * target)[free].sum(0)
@@ -354,19 +364,19 @@ def fit_maxent(sizes: Sequence[int], mult: Sequence[int], p: np.ndarray, q: np.n
         residual = float(errors(got).max())
         if residual < tol:
             break
-    return MaxEntFit(theta[:G], theta[G : 2 * G], theta[-1], p_none, residual, it)
+    return MaxEntFit(theta[:G], theta[G : 2 * G], theta[-1], p_none, q, residual, it)
 
 
 def shape_targets(model: CoactivationModel, groups: Sequence[Group]):
     """The requests grouped by shape: (sizes, mult, p [E], q [G, E], x [E]) of :func:`fit_maxent`;
     q_g is the mean overlap of the shape's within-request pairs (its census weights the classes)."""
     over = model.overlaps()
-    keyed: dict[tuple, list] = {}
+    keyed: dict[tuple, list] = {}  # (an expert never seen routed gets a share of 1e-9, not 0)
     for g in groups:
         key = (g.n, tuple(sorted(group_census(g).items())))
         keyed.setdefault(key, [0])[0] += 1
     sizes, mult, q = [], [], []
-    p = model.marginals.reshape(-1)
+    p = np.clip(model.marginals.reshape(-1), 1e-9, 1 - 1e-9)
     for (n, cen), (m,) in keyed.items():
         sizes.append(n)
         mult.append(m)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -48,6 +47,11 @@ class Hardware:
     # measured: GB/s of weight bytes the runtime's matrix kernel reaches at M tokens (M -> GB/s)
     matrix_gbs: dict[int, float] = field(default_factory=dict)
     attention_gbs: Optional[float] = None  # measured KV-read rate of attention (None: bandwidth_gbs)
+    # measured: GB/s of expert weights the runtime's MoE kernel reaches at m tokens per expert
+    expert_gbs: dict[int, float] = field(default_factory=dict)
+    # measured: per token and layer, what the runtime spends besides reading weights (norms,
+    # residuals, rope and cache writes, attention at the profile's context, routing)
+    token_layer_us: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_gbs > 0 and self.peak_tflops > 0 and self.step_overhead_us >= 0):
@@ -66,22 +70,38 @@ class Hardware:
         flops = 2.0 * tokens * nbytes / bytes_per_weight
         return max(nbytes / (self.bandwidth_gbs * 1e9), flops / (self.peak_tflops * 1e12))
 
+    def expert_seconds(self, nbytes: float, tokens_per_expert: float, bytes_per_weight: float = 2.0) -> float:
+        """Time of the routed experts of one layer: ``nbytes`` of active experts, each applied to
+        ``tokens_per_expert`` tokens (the measured MoE kernel where the profile has it)."""
+        if nbytes <= 0 or tokens_per_expert <= 0:
+            return 0.0
+        if self.expert_gbs:
+            return nbytes / (_interp(self.expert_gbs, tokens_per_expert) * 1e9)
+        return self.matrix_seconds(nbytes, tokens_per_expert, bytes_per_weight)
+
     def _interp(self, tokens: float) -> float:
-        ms = sorted(self.matrix_gbs)
-        if tokens <= ms[0]:
-            return self.matrix_gbs[ms[0]]
-        if tokens >= ms[-1]:  # compute-bound beyond: GB/s falls as 1 / M
-            return self.matrix_gbs[ms[-1]] * ms[-1] / tokens
-        for lo, hi in zip(ms, ms[1:]):
-            if lo <= tokens <= hi:
-                t = (math.log(tokens) - math.log(lo)) / (math.log(hi) - math.log(lo))
-                return math.exp((1 - t) * math.log(self.matrix_gbs[lo]) + t * math.log(self.matrix_gbs[hi]))
-        raise AssertionError("unreachable")
+        return _interp(self.matrix_gbs, tokens)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["matrix_gbs"] = {str(k): v for k, v in self.matrix_gbs.items()}
+        d["expert_gbs"] = {str(k): v for k, v in self.expert_gbs.items()}
         return {"format": PROFILE_FORMAT, **d}
+
+
+def _interp(table: dict[int, float], tokens: float) -> float:
+    """GB/s at ``tokens`` from a measured table, log-log interpolated; beyond its end compute-bound
+    (GB/s falls as 1 / M)."""
+    ms = sorted(table)
+    if tokens <= ms[0]:
+        return table[ms[0]]
+    if tokens >= ms[-1]:
+        return table[ms[-1]] * ms[-1] / tokens
+    for lo, hi in zip(ms, ms[1:]):
+        if lo <= tokens <= hi:
+            t = (math.log(tokens) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            return math.exp((1 - t) * math.log(table[lo]) + t * math.log(table[hi]))
+    raise AssertionError("unreachable")
 
 
 def spec_sheet(name: str) -> Hardware:
@@ -103,7 +123,9 @@ def load_profile(path: Union[str, Path]) -> Hardware:
         return Hardware(str(obj["name"]), float(obj["bandwidth_gbs"]), float(obj["peak_tflops"]),
                         float(obj["step_overhead_us"]), str(obj.get("source", path)),
                         {int(k): float(v) for k, v in obj.get("matrix_gbs", {}).items()},
-                        None if obj.get("attention_gbs") is None else float(obj["attention_gbs"]))
+                        None if obj.get("attention_gbs") is None else float(obj["attention_gbs"]),
+                        {int(k): float(v) for k, v in obj.get("expert_gbs", {}).items()},
+                        float(obj.get("token_layer_us", 0.0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"hardware profile {path}: missing or malformed field ({exc})") from None
 
@@ -126,47 +148,83 @@ def hardware(name_or_path: str) -> Hardware:
 # ---- measuring this machine -------------------------------------------------------------------
 
 
-def _median(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def measure_cpu(*, repeats: int = 5, matrix_mib: int = 128, progress: bool = True) -> Hardware:
+def measure_cpu(*, repeats: int = 5, matrix_mib: int = 128, hidden: int = 2048,
+                experts: Optional[tuple[int, int, int]] = None, engine=None, progress: bool = True) -> Hardware:
     """This machine: read bandwidth, the runtime's bf16 matrix kernel at PROFILE_SIZES tokens on a
-    ``matrix_mib`` MiB matrix (beyond the caches), and a tiny model's decode step (the overhead)."""
+    ``matrix_mib`` MiB matrix of ``hidden`` columns (beyond the caches), the MoE kernel at 1..16
+    tokens per expert when ``experts`` = (E, I, H) names a layer shape (every expert active), and a
+    tiny model's decode step (the fixed cost per step); with ``engine`` (a loaded TargetModel) also
+    the runtime's per-token, per-layer cost besides weights, from the native step's phase clock on
+    a verify of 16 tokens after 128 (TOKEN_PHASES)."""
     import torch
     from tqdm import tqdm
 
     from moespec._loader import native
-    from moespec.bench.roofline import matmul_peak, stream_bandwidth
-    from moespec.ops import linear
+    from moespec.bench.roofline import _median_s, matmul_peak, stream_bandwidth
+    from moespec.ops import linear, moe_experts
 
     if not 16 <= matrix_mib <= 4096:
         raise ValueError(f"--matrix-mib must be in [16, 4096], got {matrix_mib}")
+    if not 16 <= hidden <= 65536:
+        raise ValueError(f"hidden must be in [16, 65536], got {hidden}")
     stream = stream_bandwidth(1.0, repeats)
     peak = matmul_peak(repeats)["peak"]
-    H = 2048
-    rows = matrix_mib * 2**20 // (2 * H)
+    rows = matrix_mib * 2**20 // (2 * hidden)
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(rows, H, generator=gen).bfloat16()
+    w = torch.randn(rows, hidden, generator=gen).bfloat16()
     table = {}
     for M in tqdm(PROFILE_SIZES, desc="profile: bf16 matrix kernel", disable=not progress, leave=False):
-        x = torch.randn(M, H, generator=gen).bfloat16()
-        table[M] = w.numel() * 2 / _median(lambda: linear(x, w), repeats) / 1e9
+        x = torch.randn(M, hidden, generator=gen).bfloat16()
+        table[M] = w.numel() * 2 / _median_s(lambda: linear(x, w), repeats) / 1e9
+    expert_table = {}
+    if experts is not None:
+        E, I, H = experts
+        layers = max(1, (matrix_mib * 2**20) // (E * 3 * I * H * 2))  # several layers: beyond the caches
+        weights = [torch.randn(E, 3 * I * H, generator=gen).bfloat16() * 0.02 for _ in range(layers)]
+        K = 2
+        for m in (1, 2, 4, 8, 16):
+            T = max(1, E * m // K)
+            ids = ((torch.arange(T)[:, None] * K + torch.arange(K)[None]) % E).int()  # every expert m tokens
+            x, wts = torch.randn(T, H, generator=gen).bfloat16(), torch.full((T, K), 0.5)
+            seconds = _median_s(lambda: [moe_experts(x, ids, wts, lw, I) for lw in weights], repeats) / layers
+            expert_table[m] = E * 3 * I * H * 2 / seconds / 1e9
     overhead = _tiny_step_seconds(repeats)
+    token_us = _token_layer_seconds(engine, repeats) * 1e6 if engine is not None else 0.0
+    shapes = f"matrix {rows}x{hidden}" + (f", experts E={experts[0]} I={experts[1]} H={experts[2]}" if experts else "")
     return Hardware("cpu", stream["read"], peak / 1e3, overhead * 1e6,
-                    f"measured by moespec analyze profile ({native().num_threads()} threads, ISA {native().cpu_isa()})",
-                    table)
+                    f"measured by moespec analyze profile ({native().num_threads()} threads, ISA {native().cpu_isa()}, "
+                    f"{shapes})", table, expert_gbs=expert_table, token_layer_us=token_us)
+
+
+TOKEN_PHASES = ("norms+residual", "rope+cache write", "attention", "router+routing")
+
+
+def _token_layer_seconds(model, repeats: int, context: int = 128, tokens: int = 16) -> float:
+    """Seconds per token and layer of the native step's TOKEN_PHASES (0 on another backend)."""
+    if model.backend_name != "native":
+        return 0.0
+    decoder = model.backend.decoder
+    cache = model.new_cache(1, context + tokens)
+    model.prefill(cache, [[(5 * i + 1) % model.config.vocab_size for i in range(context)]])
+    seq = [(7 * i + 3) % model.config.vocab_size for i in range(tokens)]
+    parents = [-1] + list(range(tokens - 1))
+    decoder.set_profiling(True)
+    decoder.reset_profile()
+    try:
+        for _ in range(repeats):
+            model.verify(cache, [seq], [parents])
+            cache.pending = None
+        phases = decoder.profile()
+    finally:
+        decoder.set_profiling(False)
+    return sum(phases[p] for p in TOKEN_PHASES) / repeats / (tokens * model.config.num_layers)
 
 
 def _tiny_step_seconds(repeats: int) -> float:
     """A decode step of a 2-layer model with H = 64: the runtime's fixed cost per step."""
     import torch
+
+    from moespec.bench.roofline import _median_s
 
     from moespec.models.config import ModelConfig, MoeConfig, RopeConfig
     from moespec.models.runtime import TargetModel
@@ -195,7 +253,7 @@ def _tiny_step_seconds(repeats: int) -> float:
         model.decode(cache, [4])
         cache.lengths[0] = 3
 
-    return _median(step, max(repeats, 20))
+    return _median_s(step, max(repeats, 20))
 
 
 def save_profile(path: Union[str, Path], hw: Hardware) -> Path:

@@ -23,7 +23,6 @@ Dimensions: R trace rows, L MoE layers, N experts, K top-k, n tokens of one requ
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 

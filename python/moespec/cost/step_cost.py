@@ -3,11 +3,12 @@
 A step of T tokens from B requests with S cached tokens each, whose MoE layers touch U_l unique
 experts, costs (``step_cost``)
 
-    overhead + t(dense weights, M = T) + sum_l t(U_l experts, M = T K / U_l) + t_attention(B, S, T)
+    overhead + T L c_token + t(dense weights, M = T) + sum_l t(U_l experts, M = T K / U_l) + t_attention(B, S, T)
 
 where t(bytes, M) is the hardware profile's time to read a weight matrix and apply it to M tokens
 (:meth:`moespec.cost.hardware.Hardware.matrix_seconds`: a roofline from a spec sheet, or this
-machine's measured kernel), dense weights are everything a token reads whatever it routes to
+machine's measured kernels), c_token the profile's per-token, per-layer cost besides weights
+(measured on CPUs, 0 on spec sheets), dense weights are everything a token reads whatever it routes to
 (attention, norms, routers, shared experts, dense layers, lm_head: ``MoeShape.dense_params``), and
 attention reads each request's KV cache once (``MoeShape.kv_elements``) and computes
 ``MoeShape.attention_flops`` per token. A speculative step is a draft of ``depth`` head forwards
@@ -76,12 +77,12 @@ def step_cost(shape: MoeShape, hw: Hardware, *, tokens: int, requests: int, cont
     dense_bytes = shape.dense_params * bytes_per_weight
     dense_s = hw.matrix_seconds(dense_bytes, tokens, bytes_per_weight)
     expert_bytes = shape.expert_params * bytes_per_weight
-    experts_s = float(sum(hw.matrix_seconds(u * expert_bytes, tokens * shape.top_k / u, bytes_per_weight) for u in U))
+    experts_s = float(sum(hw.expert_seconds(u * expert_bytes, tokens * shape.top_k / u, bytes_per_weight) for u in U))
     kv = requests * shape.kv_elements(context + tokens // requests) * kv_bytes  # read S, write T
     attn_flops = tokens * shape.attention_flops(context)
     attention_s = max(kv / ((hw.attention_gbs or hw.bandwidth_gbs) * 1e9), attn_flops / (hw.peak_tflops * 1e12))
     flops = 2.0 * tokens * (shape.dense_params + shape.top_k * shape.expert_params * shape.moe_layers) + attn_flops
-    overhead = hw.step_overhead_us * 1e-6
+    overhead = hw.step_overhead_us * 1e-6 + hw.token_layer_us * 1e-6 * tokens * shape.layers
     return StepCost(overhead + dense_s + experts_s + attention_s, overhead, dense_s, experts_s, attention_s,
                     dense_bytes, float(U.sum() * expert_bytes), kv, flops)
 
