@@ -234,3 +234,31 @@ def test_model_file_round_trip_and_errors(tmp_path):
         CoactivationModel.load(tmp_path / "none.json")
     with pytest.raises(ValueError, match="predictor"):
         model.predict(groups, "magic")
+
+
+# ---- the zero-training expert predictor (spec/expert_predictor.py) ------------------------------
+
+
+def _decode_trace(ids: np.ndarray, N: int) -> Trace:
+    """One request: a 1-token prefill, then one decode pass per token."""
+    R, L, K = ids.shape
+    return Trace(ids, np.ones((R, L, K)) / K, np.arange(R), np.r_[0, np.ones(R - 1)].astype(np.int8), np.zeros(R),
+                 np.arange(R), -np.ones(R), N, K, np.arange(L))
+
+
+def test_history_predictor_recall_bounds():
+    from moespec.spec.expert_predictor import history_scores, predictor_recall, top_experts
+
+    rng = np.random.default_rng(5)
+    N, K, L, R = 16, 2, 3, 400
+    same = np.broadcast_to(rng.choice(N, K, replace=False), (R, L, K)).copy()  # every token routes alike
+    r = predictor_recall(_decode_trace(same, N), (1, 4))
+    assert r["histories"]["1"]["node_recall"] == 1.0 and r["histories"]["4"]["node_recall"] == 1.0
+    independent = np.stack([[rng.choice(N, K, replace=False) for _ in range(L)] for _ in range(R)])
+    r = predictor_recall(_decode_trace(independent, N), (1, 8))
+    for h in ("1", "8"):
+        assert abs(r["histories"][h]["node_recall"] - K / N) < 0.03  # chance: nothing to predict from
+    scores = history_scores(np.array([[[3, 1]], [[1, 2]]]), np.array([[[0.6, 0.4]], [[0.5, 0.5]]]), 4, decay=0.5)
+    np.testing.assert_allclose(scores, [[0.0, 0.5 * 0.4 + 0.5, 0.5, 0.5 * 0.6]])  # the newest token weighs 1
+    assert top_experts(scores, 2).tolist() == [[1, 2]]
+    assert top_experts(np.array([[0.0, 1.0, 1.0]]), 1).tolist() == [[1]]  # ties: the lower id

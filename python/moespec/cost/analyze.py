@@ -5,6 +5,7 @@
     moespec analyze fit      --trace trace.npz [more.npz ...] --out model.json
     moespec analyze predict  --model model.json --requests B --tree <depth,top_k,total | chain:n> [--json out.json]
     moespec analyze validate --model model.json --trace held_out.npz [more.npz ...] [--json out.json]
+    moespec analyze predictor --trace trace.npz [...] [--history 1,4,16] [--json out.json]
     moespec analyze profile  --out cpu.json
     moespec analyze speedup  --shape <name|all> --hardware <h200|h100-sxm|b200|profile.json> [--model model.json]
                              [--batch 1,2,4,...] [--tree ...] [--acceptance AL] [--out-dir DIR]
@@ -198,6 +199,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--model", required=True)
     v.add_argument("--trace", required=True, nargs="+", help="one or more held-out traces")
     v.add_argument("--json", help="also write the table here")
+    e = sub.add_parser("predictor", help="recall of the zero-training expert predictor on a trace (EcoSpec)")
+    e.add_argument("--trace", required=True, nargs="+")
+    e.add_argument("--history", default="1,4,16", help="verified tokens the predictor looks back on")
+    e.add_argument("--json")
     from moespec.cost.cost_cli import add_parsers
 
     add_parsers(sub)
@@ -240,6 +245,14 @@ def _run(args) -> int:
         result = validate_model(CoactivationModel.load(args.model), concat_traces([load_trace(t) for t in args.trace]),
                                 progress=progress)
         print(format_validation(result))
+        if args.json:
+            _write_json(args.json, result)
+    elif args.command == "predictor":
+        from moespec.cost.cost_cli import _ints
+        from moespec.spec.expert_predictor import format_recall, predictor_recall
+
+        result = predictor_recall(concat_traces([load_trace(t) for t in args.trace]), _ints(args.history, "history"))
+        print(format_recall(result))
         if args.json:
             _write_json(args.json, result)
     else:

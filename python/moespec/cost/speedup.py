@@ -136,11 +136,13 @@ def speedup_plot(results: dict[str, list[dict[str, Any]]], path: Union[str, Path
                  x_key: str = "batch", x_label: str = "batch size (requests)") -> Path:
     from moespec.bench.plots import _pyplot, _save
 
+    import textwrap
+
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(8, 5.4))
+    cmap = plt.get_cmap("tab20")
     for i, (name, rows) in enumerate(results.items()):
-        color = colors[i % len(colors)]
+        color = cmap((2 * i) % 20 + (i // 10) % 2)
         xs = [r[x_key] for r in rows]
         ax.plot(xs, [r["ipf"]["speedup"] for r in rows], "-o", color=color, ms=3, label=name)
         ax.plot(xs, [r["independent"]["speedup"] for r in rows], "--", color=color, alpha=0.6)
@@ -148,7 +150,8 @@ def speedup_plot(results: dict[str, list[dict[str, Any]]], path: Union[str, Path
     ax.set_xscale("log", base=2)
     ax.set_xlabel(x_label)
     ax.set_ylabel("predicted speed-up over plain decoding")
-    ax.set_title(title + "\n(solid: IPF unique experts, dashed: independence)", fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 110)) + "\n(solid: IPF unique experts, dashed: independence)",
+                 fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     return _save(plt, fig, Path(path))

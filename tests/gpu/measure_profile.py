@@ -1,0 +1,73 @@
+"""Measures this GPU as a moespec hardware profile (python/moespec/cost/hardware.py) and writes it to
+tests/gpu/profiles/<name>.json (and $OUT/profiles/ when OUT is set), where it replaces the built-in
+spec-sheet profile of that name (h100-sxm, h200, b200) for ``moespec analyze speedup``.
+
+Measured: read bandwidth (a float32 sum over 4 GiB), torch's bf16 GEMM on an 8192 x 28672 weight
+(470 MB, beyond the L2) at M = 1..128 tokens (GB/s of weights at each M), its peak on an 8192^3
+product, and the fixed cost of a step (the replay of a CUDA graph of one small kernel). Run by
+tests/gpu/run.sh.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+from moespec.cost.hardware import PROFILE_SIZES, Hardware, save_profile  # noqa: E402
+
+
+def _seconds(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("measure_profile: no CUDA device", file=sys.stderr)
+        return 1
+    device = torch.cuda.get_device_name()
+    name = next((key for tag, key in (("H200", "h200"), ("H100", "h100-sxm"), ("B200", "b200")) if tag in device),
+                "gpu")
+    buf = torch.ones(2**30, dtype=torch.float32, device="cuda")  # 4 GiB
+    bandwidth = buf.numel() * 4 / _seconds(lambda: buf.sum()) / 1e9
+    del buf
+    w = torch.randn(28672, 8192, device="cuda", dtype=torch.bfloat16)
+    table = {}
+    for M in PROFILE_SIZES:
+        x = torch.randn(M, 8192, device="cuda", dtype=torch.bfloat16)
+        table[M] = w.numel() * 2 / _seconds(lambda: x @ w.T) / 1e9
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * 8192**3 / _seconds(lambda: a @ a) / 1e12
+    small = torch.zeros(1024, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        small.add_(1.0)
+    overhead = _seconds(graph.replay, 200) * 1e6
+    hw = Hardware(name, bandwidth, peak, overhead, f"measured by tests/gpu/measure_profile.py on {device} "
+                  f"(torch {torch.__version__} bf16 GEMM)", table)
+    paths = [Path(__file__).parent / "profiles" / f"{name}.json"]
+    if os.environ.get("OUT"):
+        paths.append(Path(os.environ["OUT"]) / "profiles" / f"{name}.json")
+    for path in paths:
+        save_profile(path, hw)
+    print(f"{device}: read {bandwidth:.0f} GB/s, bf16 peak {peak:.0f} TFLOP/s, graph replay {overhead:.1f} us; "
+          "GB/s of weights at M tokens: " + ", ".join(f"{m}: {v:.0f}" for m, v in table.items()))
+    print("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
