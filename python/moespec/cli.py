@@ -21,16 +21,20 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from moespec.config import DEFAULT_TREE, POLICY_NAMES, default_policy, policy_spec
+
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with a target model and an optional EAGLE-3 draft head")
     p.add_argument("--model", required=True, help="target checkpoint folder or engine folder (moespec build)")
     p.add_argument("--draft", help="EAGLE-3 draft head folder")
-    p.add_argument("--policy", choices=["ar", "eagle3", "eagle3+budget"], help="default: eagle3 with a draft, else ar")
+    p.add_argument("--policy", choices=POLICY_NAMES, help="default: eagle3+budget with --budget, eagle3 with a draft, "
+                                                          "else ar")
     p.add_argument("--budget", type=int, help="max unique experts per MoE layer on verify passes (eagle3+budget)")
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--top-k", type=int, default=8, help="draft tree branching")
-    p.add_argument("--total-tokens", type=int, default=32, help="draft tree nodes besides the root")
+    p.add_argument("--depth", type=int, default=DEFAULT_TREE["depth"])
+    p.add_argument("--top-k", type=int, default=DEFAULT_TREE["top_k"], help="draft tree branching")
+    p.add_argument("--total-tokens", type=int, default=DEFAULT_TREE["total_tokens"],
+                   help="draft tree nodes besides the root")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -50,9 +54,9 @@ def _generate(args) -> int:
         raise SystemExit("moespec generate: give at least one --prompt or --prompt-ids")
     from moespec.engine import is_engine_folder
 
-    policy = args.policy or ("eagle3+budget" if args.budget else "eagle3" if args.draft else "ar")
+    policy = args.policy or default_policy(has_draft=args.draft is not None, budget=args.budget)
     spec = SpeculativeConfig(policy, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
-                             budget=args.budget if policy == "eagle3+budget" else None)
+                             budget=args.budget if policy_spec(policy).budgeted else None)
     if is_engine_folder(args.model) and not (args.policy or args.budget or args.draft):
         spec = None  # the engine's own draft head and default policy
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

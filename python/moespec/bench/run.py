@@ -51,7 +51,7 @@ from tqdm import tqdm
 from moespec.bench import metrics as m
 from moespec.bench.report import format_compare, format_report, make_report, write_json
 
-POLICY_FORMS = "ar, eagle3, eagle3+budget (with --budget) or eagle3+budget:<max experts>[:truncation]"
+from moespec.config import DEFAULT_TREE, POLICY_FORMS, default_policy, parse_policy_text  # noqa: E402
 
 
 class NothingToReport(RuntimeError):
@@ -161,54 +161,50 @@ def tree_settings(engine: Engine, depth: Optional[int] = None, top_k: Optional[i
     """The draft tree: the engine's default speculation, overridden by the flags given."""
     spec = engine.info.speculation
     given = {"depth": depth, "top_k": top_k, "total_tokens": total_tokens}
-    return {k: (v if v is not None else spec.get(k, {"depth": 6, "top_k": 8, "total_tokens": 32}[k]))
+    return {k: (v if v is not None else spec.get(k, DEFAULT_TREE[k]))
             for k, v in given.items()}
 
 
 def parse_policy(text: Optional[str], engine: Engine, tree: dict[str, int],
                  budget: Optional[int] = None) -> PolicyChoice:
-    """A policy name (see POLICY_FORMS) as a SpeculativeConfig; None: eagle3+budget when ``budget``
-    is given, else the engine's default policy. ValueError for an unknown policy, a speculative
-    policy on an engine without a draft head, or a budget below top_k."""
+    """A policy name (see POLICY_FORMS) as a SpeculativeConfig; None: the budgeted policy when
+    ``budget`` is given, else the engine's default policy. ValueError for an unknown policy, a
+    speculative policy on an engine without a draft head, or a budget below top_k."""
+    from moespec.ops import ExpertBudget
     from moespec.spec.llm import SpeculativeConfig
 
+    from_engine = text is None and budget is None
     if text is None:
-        text = "eagle3+budget" if budget is not None else engine.info.speculation.get("policy", "ar")
-        if budget is None and text == "eagle3+budget":
-            budget = engine.info.speculation.get("budget")
-    name, _, arg = text.strip().partition(":")
-    if name not in ("ar", "eagle3", "eagle3+budget") or (arg and name != "eagle3+budget"):
-        raise ValueError(f"unknown policy {text!r}: expected {POLICY_FORMS}")
-    if name != "ar" and engine.head is None:
-        raise ValueError(f"policy {name!r} needs an EAGLE-3 draft head, and the engine {engine.folder} has none "
+        text = default_policy(has_draft=True, budget=budget) if budget is not None else \
+            engine.info.speculation.get("policy", "ar")
+    spec, cap = parse_policy_text(text)
+    if from_engine and spec.budgeted and cap is None:  # the engine's default policy with its budget
+        budget = engine.info.speculation.get("budget")
+    if spec.speculative and engine.head is None:
+        raise ValueError(f"policy {spec.name!r} needs an EAGLE-3 draft head, and the engine {engine.folder} has none "
                          f"(build it with `moespec build --draft <EAGLE-3 folder>`)")
-    cap = None
-    if name == "eagle3+budget":
-        cap = _budget(arg, budget, text)
+    if spec.budgeted:
+        if cap is None:
+            if budget is None:
+                raise ValueError(f"policy {text!r} needs a budget: write {spec.name}:<max experts> or give --budget")
+            cap = budget if isinstance(budget, ExpertBudget) else ExpertBudget(int(budget))
         moe = engine.target.config.moe
         if moe is not None and cap.max_experts < moe.top_k:
             raise ValueError(f"policy {text!r}: a budget of {cap.max_experts} experts is below top_k = {moe.top_k} "
                              f"(one token alone needs top_k experts)")
     elif budget is not None:
-        raise ValueError(f"--budget needs policy eagle3+budget, got {text!r}")
-    label = name if cap is None else f"eagle3+budget:{cap.max_experts}" + (
+        raise ValueError(f"--budget needs a budgeted policy (e.g. {default_policy(has_draft=True, budget=budget)}), "
+                         f"got {text!r}")
+    label = spec.name if cap is None else f"{spec.name}:{cap.max_experts}" + (
         f":{cap.policy}" if cap.policy != "substitution" else "") + (
         f":coverage={cap.coverage}" if cap.coverage is not None else "")
-    return PolicyChoice(label, SpeculativeConfig(name, budget=cap, **tree))
+    return PolicyChoice(label, SpeculativeConfig(spec.name, budget=cap, **tree))
 
 
-def _budget(arg: str, default: Any, text: str):
-    from moespec.ops import ExpertBudget
-
-    if not arg:
-        if default is None:
-            raise ValueError(f"policy {text!r} needs a budget: write eagle3+budget:<max experts> or give --budget")
-        return default if isinstance(default, ExpertBudget) else ExpertBudget(int(default))
-    size, _, mode = arg.partition(":")
-    try:
-        return ExpertBudget(int(size), mode or "substitution")
-    except ValueError as exc:
-        raise ValueError(f"policy {text!r}: {exc}") from None
+def _needs_budget(text: str) -> bool:
+    """A budgeted policy named without its size (it takes --budget)."""
+    spec, cap = parse_policy_text(text)
+    return spec.budgeted and cap is None
 
 
 def make_llm(engine: Engine, choice: PolicyChoice, max_batch_size: int):
@@ -216,7 +212,7 @@ def make_llm(engine: Engine, choice: PolicyChoice, max_batch_size: int):
 
     if max_batch_size < 1:
         raise ValueError(f"the batch size must be >= 1, got {max_batch_size}")
-    draft = engine.head if choice.config.policy != "ar" else None
+    draft = engine.head if choice.config.spec.speculative else None
     return LLM(engine.target, draft=draft, speculative_config=choice.config, max_batch_size=max_batch_size,
                tokenizer=engine.tokenizer)
 
@@ -505,7 +501,7 @@ def run_compare(engine: Union[str, Path, Engine], dataset: Union[str, Path], pol
     eng = _open(engine)
     requests = load_requests(dataset, eng, num_requests)
     tree = tree_settings(eng, depth, top_k, total_tokens)
-    choices = [parse_policy(p, eng, tree, budget if p.strip() == "eagle3+budget" else None) for p in policies]
+    choices = [parse_policy(p, eng, tree, budget if _needs_budget(p) else None) for p in policies]
     labels = [c.label for c in choices]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--policies: a policy repeats ({', '.join(labels)})")
@@ -635,7 +631,7 @@ def default_policies(engine: Engine) -> list[str]:
         policies.append("eagle3")
         if moe is not None:
             sizes = sorted({max(moe.top_k, moe.num_experts // d) for d in (8, 4, 2)} - {moe.num_experts})
-            policies += [f"eagle3+budget:{b}" for b in sizes]
+            policies += [f"{default_policy(has_draft=True, budget=b)}:{b}" for b in sizes]
     return policies
 
 

@@ -67,7 +67,7 @@ def record_trace(engine_folder: str, dataset: str, *, policy: Optional[str] = No
     finally:
         engine.target.observer = None
     meta = {"model": str(engine.folder), "dataset": str(dataset), "policy": choice.label,
-            "tree": tree if choice.label != "ar" else None, "max_batch_size": max_batch_size,
+            "tree": tree if choice.config.spec.speculative else None, "max_batch_size": max_batch_size,
             "requests": len(requests), "skip": skip, "moespec_version": moespec.__version__}
     return observer.trace(num_experts=moe.num_experts, top_k=moe.top_k, layers=engine.target.config.moe_layers,
                           meta=meta)

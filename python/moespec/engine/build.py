@@ -252,8 +252,10 @@ def _check_speculation_args(args: dict[str, Any], has_draft: bool) -> None:
     unknown = sorted(set(args) - {"policy", "depth", "top_k", "total_tokens", "budget"})
     if unknown:
         raise ValueError(f"build: unknown speculation settings {unknown}")
+    from moespec.config import policy_spec
+
     policy = args.get("policy")
-    if policy in ("eagle3", "eagle3+budget") and not has_draft:
+    if policy is not None and policy_spec(policy).speculative and not has_draft:
         raise ValueError(f"--policy {policy} needs an EAGLE-3 draft head: pass --draft <folder>")
 
 
@@ -263,7 +265,9 @@ def _speculation(args: dict[str, Any], has_draft: bool, config) -> dict[str, Any
 
     defaults = SpeculativeConfig("ar")
     budget = args.get("budget")
-    policy = args.get("policy") or ("eagle3+budget" if budget is not None else "eagle3" if has_draft else "ar")
+    from moespec.config import default_policy
+
+    policy = args.get("policy") or default_policy(has_draft=has_draft, budget=budget)
     spec = SpeculativeConfig(policy, depth=args.get("depth") or defaults.depth,
                              top_k=args.get("top_k") or defaults.top_k,
                              total_tokens=args.get("total_tokens") or defaults.total_tokens, budget=budget)
@@ -474,7 +478,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--draft", help="EAGLE-3 draft head folder (official, SpecForge or vLLM names)")
     p.add_argument("--out", required=True, help="the engine folder to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--policy", choices=["ar", "eagle3", "eagle3+budget"],
+    from moespec.config import POLICY_NAMES
+
+    p.add_argument("--policy", choices=POLICY_NAMES,
                    help="default speculation policy (default: eagle3+budget with --budget, eagle3 with --draft, "
                         "else ar)")
     p.add_argument("--depth", type=int, default=defaults.depth, help="draft tree depth")

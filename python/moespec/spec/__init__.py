@@ -2,7 +2,8 @@
 expert-budget policies and the LLM API.
 
 - :class:`LLM`, :class:`SpeculativeConfig`, :class:`SamplingParams`: the user API (TensorRT-LLM style).
-- :mod:`moespec.spec.policies`: ``ar``, ``eagle3``, ``eagle3+budget`` (:mod:`moespec.spec.eagle3_policy`).
+- :mod:`moespec.spec.policies`: the policy objects of the registry :mod:`moespec.config` (``ar``, ``eagle3``,
+  ``eagle3+budget``; :mod:`moespec.spec.eagle3_policy`).
 - :mod:`moespec.spec.eagle3`: the EAGLE-3 head, its KV cache and checkpoint loader;
   :mod:`moespec.spec.train`: ``moespec train-draft``.
 - :class:`TreeBuilder`: EAGLE-2 dynamic draft trees for a batch of requests (native

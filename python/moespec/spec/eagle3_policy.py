@@ -44,9 +44,9 @@ class Eagle3Policy:
         self.head: Eagle3Head = draft if isinstance(draft, Eagle3Head) else load_eagle3(draft, target)
         self.config = config
         self.name = config.policy
-        self.budget = config.budget if config.policy == "eagle3+budget" else None
+        self.budget = config.budget if config.spec.budgeted else None
         if self.budget is not None and target.config.moe is None:
-            raise ValueError(f"policy 'eagle3+budget': the target ({target.config.architecture}) is a dense model "
+            raise ValueError(f"policy {config.policy!r}: the target ({target.config.architecture}) is a dense model "
                              "without MoE layers, so an expert budget has nothing to cap (use 'eagle3')")
         target.set_taps(self.head.config.aux_layers)
         self._builders: dict[int, TreeBuilder] = {}

@@ -14,12 +14,13 @@ from typing import Iterator, Literal, Optional, Sequence, Union
 
 import torch
 
+from moespec.config import DEFAULT_TREE, POLICY_NAMES, PolicySpec, default_policy, policy_spec
 from moespec.models import TargetModel, load
 from moespec.ops import ExpertBudget
 from moespec.spec.sampling import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
-PolicyName = Literal["ar", "eagle3", "eagle3+budget"]
+PolicyName = str  # a name of moespec.config.POLICIES: "ar", "eagle3", "eagle3+budget"
 
 
 @dataclass(frozen=True)
@@ -34,24 +35,31 @@ class SpeculativeConfig:
     """
 
     policy: PolicyName = "eagle3"
-    depth: int = 6
-    top_k: int = 8
-    total_tokens: int = 32
+    depth: int = DEFAULT_TREE["depth"]
+    top_k: int = DEFAULT_TREE["top_k"]
+    total_tokens: int = DEFAULT_TREE["total_tokens"]
     budget: Optional[Union[ExpertBudget, int]] = None
 
     def __post_init__(self) -> None:
-        if self.policy not in ("ar", "eagle3", "eagle3+budget"):
-            raise ValueError(f"SpeculativeConfig.policy: expected 'ar', 'eagle3' or 'eagle3+budget', got {self.policy!r}")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"SpeculativeConfig.policy: expected one of {', '.join(map(repr, POLICY_NAMES))}, "
+                             f"got {self.policy!r}")
         for name in ("depth", "top_k", "total_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SpeculativeConfig.{name}: expected an int >= 1, got {value!r}")
         if isinstance(self.budget, int) and not isinstance(self.budget, bool):
             object.__setattr__(self, "budget", ExpertBudget(self.budget))
-        if self.policy == "eagle3+budget" and self.budget is None:
-            raise ValueError("SpeculativeConfig: policy 'eagle3+budget' needs a budget (e.g. budget=16)")
-        if self.policy != "eagle3+budget" and self.budget is not None:
-            raise ValueError(f"SpeculativeConfig: a budget needs policy 'eagle3+budget', got {self.policy!r}")
+        if self.spec.budgeted and self.budget is None:
+            raise ValueError(f"SpeculativeConfig: policy {self.policy!r} needs a budget (e.g. budget=16)")
+        if not self.spec.budgeted and self.budget is not None:
+            raise ValueError(f"SpeculativeConfig: a budget needs a budgeted policy (e.g. 'eagle3+budget'), got "
+                             f"{self.policy!r}")
+
+    @property
+    def spec(self) -> PolicySpec:
+        """The policy's composition (drafter, tree selector, verify routing)."""
+        return policy_spec(self.policy)
 
 
 @dataclass
@@ -154,7 +162,7 @@ class LLM:
         self.model_path = None if isinstance(model, TargetModel) else Path(model)
         self.tokenizer = tokenizer if tokenizer is not None else _local_tokenizer(tokenizer_path)
         if speculative_config is None:
-            speculative_config = SpeculativeConfig("eagle3") if draft is not None else SpeculativeConfig("ar")
+            speculative_config = SpeculativeConfig(default_policy(has_draft=draft is not None))
         self.speculative_config = speculative_config
         self.max_batch_size = max_batch_size
         self.policy = make_policy(self.target, draft, speculative_config, self.model_path)

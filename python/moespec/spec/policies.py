@@ -54,7 +54,7 @@ class ARPolicy:
 
 def make_policy(target: TargetModel, draft, config, model_path: Optional[Path] = None):
     """The policy object for a SpeculativeConfig."""
-    if config.policy == "ar":
+    if not config.spec.speculative:
         return ARPolicy(target)
     if draft is None:
         raise ValueError(f"policy {config.policy!r} needs an EAGLE-3 draft head (LLM(..., draft=<folder>))")

@@ -1,0 +1,83 @@
+"""Decoding policies as compositions, in one registry (DESIGN.md "The next phase": one typed
+decoding config, parsed once).
+
+A policy is a drafter (``none`` or ``eagle3``) x a tree selector (``eagle2``: the best
+``total_tokens`` candidates; the cost-aware selector joins with the ``eco`` policies) x a verify
+routing (``exact``, or ``budget``: MoE-Spec's expert budget on every verify pass). Policy names,
+their parsing (``eagle3+budget:16[:truncation]``), the default policy of a command and the default
+draft tree live here and nowhere else; the CLI, the engine manifest and the LLM API all produce a
+:class:`moespec.spec.llm.SpeculativeConfig` through them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+Drafter = Literal["none", "eagle3"]
+Selector = Literal["none", "eagle2"]
+VerifyRouting = Literal["exact", "budget"]
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    drafter: Drafter
+    selector: Selector
+    verify: VerifyRouting
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter != "none"
+
+    @property
+    def budgeted(self) -> bool:
+        return self.verify == "budget"
+
+
+POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
+    PolicySpec("ar", "none", "none", "exact"),
+    PolicySpec("eagle3", "eagle3", "eagle2", "exact"),
+    PolicySpec("eagle3+budget", "eagle3", "eagle2", "budget"),
+)}
+POLICY_NAMES = tuple(POLICIES)
+POLICY_FORMS = ", ".join(n for n in POLICY_NAMES if not POLICIES[n].budgeted) + ", " + ", ".join(
+    f"{n} (with --budget) or {n}:<max experts>[:truncation]" for n in POLICY_NAMES if POLICIES[n].budgeted)
+
+# The draft tree of a SpeculativeConfig when none is given (EAGLE-2's expansion: depth levels,
+# top_k branching, total_tokens nodes kept); engines carry their own (the default engine's:
+# moespec.default_model.pipeline.TreeSettings).
+DEFAULT_TREE = {"depth": 6, "top_k": 8, "total_tokens": 32}
+
+
+def policy_spec(name: str) -> PolicySpec:
+    """The registered policy ``name``; ValueError listing the names."""
+    spec = POLICIES.get(name)
+    if spec is None:
+        raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(map(repr, POLICY_NAMES))}")
+    return spec
+
+
+def default_policy(*, has_draft: bool, budget: Optional[object] = None) -> str:
+    """A command's policy when none is named: the budgeted EAGLE-3 policy with a budget, EAGLE-3
+    with a draft head, else plain decoding."""
+    if budget is not None:
+        return next(n for n, p in POLICIES.items() if p.budgeted and p.selector == "eagle2")
+    return "eagle3" if has_draft else "ar"
+
+
+def parse_policy_text(text: str):
+    """``name`` or ``name:<max experts>[:<budget policy>]`` -> (PolicySpec, ExpertBudget or None)."""
+    from moespec.ops import ExpertBudget
+
+    name, _, arg = text.strip().partition(":")
+    spec = POLICIES.get(name)
+    if spec is None or (arg and not spec.budgeted):
+        raise ValueError(f"unknown policy {text!r}: expected {POLICY_FORMS}")
+    if not arg:
+        return spec, None
+    size, _, mode = arg.partition(":")
+    try:
+        return spec, ExpertBudget(int(size), mode or "substitution")
+    except ValueError as exc:
+        raise ValueError(f"policy {text!r}: {exc}") from None

@@ -1,0 +1,44 @@
+"""The policy registry (python/moespec/config.py): the one parser of policy names."""
+
+from __future__ import annotations
+
+import pytest
+
+from moespec.config import POLICIES, POLICY_FORMS, default_policy, parse_policy_text, policy_spec
+from moespec.ops import ExpertBudget
+from moespec.spec.llm import SpeculativeConfig
+
+
+def test_policies_are_compositions():
+    assert {n: (p.drafter, p.selector, p.verify) for n, p in POLICIES.items()} == {
+        "ar": ("none", "none", "exact"), "eagle3": ("eagle3", "eagle2", "exact"),
+        "eagle3+budget": ("eagle3", "eagle2", "budget")}
+    assert SpeculativeConfig("eagle3+budget", budget=12).spec.budgeted
+    assert not SpeculativeConfig("ar").spec.speculative
+
+
+@pytest.mark.parametrize("text, name, budget", [
+    ("ar", "ar", None), (" eagle3 ", "eagle3", None), ("eagle3+budget", "eagle3+budget", None),
+    ("eagle3+budget:16", "eagle3+budget", ExpertBudget(16)),
+    ("eagle3+budget:12:truncation", "eagle3+budget", ExpertBudget(12, "truncation")),
+])
+def test_parse(text, name, budget):
+    spec, cap = parse_policy_text(text)
+    assert spec.name == name and cap == budget
+
+
+@pytest.mark.parametrize("text, match", [
+    ("eco", "unknown policy 'eco'"), ("eagle3:16", "unknown policy 'eagle3:16'"), ("ar:3", "unknown policy"),
+    ("eagle3+budget:x", "policy 'eagle3\\+budget:x'"), ("eagle3+budget:16:greedy", "policy 'eagle3\\+budget:16:greedy'"),
+])
+def test_bad_policies(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_policy_text(text)
+
+
+def test_defaults_and_messages():
+    assert default_policy(has_draft=False) == "ar" and default_policy(has_draft=True) == "eagle3"
+    assert default_policy(has_draft=True, budget=16) == "eagle3+budget"
+    assert POLICY_FORMS == "ar, eagle3, eagle3+budget (with --budget) or eagle3+budget:<max experts>[:truncation]"
+    with pytest.raises(ValueError, match="expected one of 'ar', 'eagle3', 'eagle3\\+budget'"):
+        policy_spec("eco")
