@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "moespec/draft_tree.h"
+#include "moespec/select_cost_aware.h"
 #include "tensor_arg.h"
 
 namespace py = pybind11;
@@ -125,6 +126,29 @@ void bind_draft_tree(py::module_& m) {
       .def_property_readonly(
           "max_nodes", [](const DraftTreeBatch& s) { return draft_tree_num_nodes(s.params(), s.params().depth); },
           "The largest M + 1 (trees of depth levels).");
+  m.def(
+      "select_cost_aware",
+      [](const py::object& parents, const py::object& depth, const py::object& scores, const py::object& predicted,
+         const py::object& buffer, const py::object& expert_s, const py::object& selected, float value_s,
+         float token_s, int32_t total_tokens) {
+        SelectCostAwareArgs a;
+        a.parents = to_view(parents, "parents");
+        a.depth = to_view(depth, "depth");
+        a.scores = to_view(scores, "scores");
+        a.predicted = to_view(predicted, "predicted");
+        a.buffer = to_view(buffer, "buffer");
+        a.expert_s = to_view(expert_s, "expert_s");
+        a.selected = to_view(selected, "selected");
+        a.value_s = value_s;
+        a.token_s = token_s;
+        a.total_tokens = total_tokens;
+        py::gil_scoped_release release;
+        return select_cost_aware(a);
+      },
+      "Cost-aware verify set of one request's candidates: parents/depth int32 [C], scores float32 [C], predicted "
+      "int32 [C, L, K], buffer uint8 [L, N], expert_s float32 [L] -> selected int32 [C] (in order); returns the count.",
+      py::arg("parents"), py::arg("depth"), py::arg("scores"), py::arg("predicted"), py::arg("buffer"),
+      py::arg("expert_s"), py::arg("selected"), py::arg("value_s"), py::arg("token_s"), py::arg("total_tokens"));
   m.attr("kMaxDraftTopK") = kMaxDraftTopK;
   m.attr("kMaxDraftDepth") = kMaxDraftDepth;
   m.attr("kMaxDraftTreeTokens") = kMaxDraftTreeTokens;

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moespec.spec.cost_aware import SelectionCosts, marginal_cost, select_cost_aware
+from moespec.spec.cost_aware import SelectionCosts, marginal_cost, select_cost_aware, select_cost_aware_native
 
 
 @st.composite
@@ -22,7 +22,7 @@ def candidates(draw):
         p = draw(st.integers(-1, c - 1)) if c else -1
         parents.append(p)
         depth.append(1 if p < 0 else depth[p] + 1)
-        step = draw(st.floats(-3.0, 0.0, allow_nan=False))
+        step = float(np.float32(draw(st.floats(-3.0, 0.0, allow_nan=False))))
         scores.append((scores[p] if p >= 0 else 0.0) + step)
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     predicted = np.stack([np.stack([rng.choice(N, K, replace=False) for _ in range(L)]) for _ in range(C)])
@@ -36,7 +36,7 @@ def _eagle2(parents, depth, scores, total):
 
 
 @settings(max_examples=150, deadline=None)
-@given(candidates(), st.integers(1, 30), st.floats(0.0, 2.0), st.floats(0.0, 0.5))
+@given(candidates(), st.integers(1, 30), st.sampled_from([0.0, 0.125, 0.5, 1.0]), st.sampled_from([0.0, 0.0625, 0.25]))
 def test_selection_invariants(cands, total, token_s, expert_s):
     parents, depth, scores, predicted, buffer = cands
     L = predicted.shape[1]
@@ -55,6 +55,10 @@ def test_selection_invariants(cands, total, token_s, expert_s):
     zero = SelectionCosts(1.0, 0.0, np.zeros(L))
     assert sorted(select_cost_aware(parents, depth, scores, predicted, buffer, zero, total)) == \
         _eagle2(parents, depth, scores, total)
+    # the C++ tree core chooses the same nodes in the same order
+    assert select_cost_aware_native(parents, depth, scores, predicted, buffer, costs, total) == chosen
+    assert select_cost_aware_native(parents, depth, scores, predicted, buffer, zero, total) == \
+        select_cost_aware(parents, depth, scores, predicted, buffer, zero, total)
 
 
 def test_a_node_inside_the_buffer_costs_only_its_token():
@@ -77,3 +81,18 @@ def test_cheap_branch_wins_over_a_likelier_expensive_one():
     costs = SelectionCosts(1.0, 0.0, np.array([0.1]))
     assert select_cost_aware(parents, depth, scores, predicted, buffer, costs, 1) == [1]
     assert select_cost_aware(parents, depth, scores, predicted, buffer, SelectionCosts(1.0, 0.0, np.zeros(1)), 1) == [0]
+
+
+def test_native_selection_names_bad_arguments():
+    import pytest
+
+    costs = SelectionCosts(1.0, 0.0, np.zeros(1))
+    buffer = np.zeros((1, 4), dtype=bool)
+    with pytest.raises(ValueError, match="parents"):
+        select_cost_aware_native([1, -1], [1, 1], [0.0, 0.0], np.zeros((2, 1, 1)), buffer, costs, 2)
+    with pytest.raises(ValueError, match="predicted"):
+        select_cost_aware_native([-1], [1], [0.0], np.full((1, 1, 1), 4), buffer, costs, 1)
+    with pytest.raises(ValueError, match="total_tokens"):
+        select_cost_aware_native([-1], [1], [0.0], np.zeros((1, 1, 1)), buffer, costs, 0)
+    with pytest.raises(ValueError, match="scores"):
+        select_cost_aware_native([-1], [1], [float("nan")], np.zeros((1, 1, 1)), buffer, costs, 1)

@@ -81,6 +81,29 @@ def select_cost_aware(parents: Sequence[int], depth: Sequence[int], scores: Sequ
     return chosen
 
 
+def select_cost_aware_native(parents, depth, scores, predicted, buffer, costs: SelectionCosts,
+                             total_tokens: int) -> list[int]:
+    """:func:`select_cost_aware` in the C++ tree core (``moespec._native.select_cost_aware``,
+    cpp/include/moespec/select_cost_aware.h): same arguments, same result."""
+    import torch
+
+    from moespec._loader import native
+    from moespec._tensor import view
+
+    parents_t = torch.as_tensor(np.asarray(parents), dtype=torch.int32).contiguous()  # [C]
+    depth_t = torch.as_tensor(np.asarray(depth), dtype=torch.int32).contiguous()  # [C]
+    scores_t = torch.as_tensor(np.asarray(scores), dtype=torch.float32).contiguous()  # [C]
+    predicted_t = torch.as_tensor(np.asarray(predicted), dtype=torch.int32).contiguous()  # [C, L, K]
+    buffer_t = torch.as_tensor(np.asarray(buffer), dtype=torch.uint8).contiguous()  # [L, N]
+    expert_t = torch.as_tensor(np.asarray(costs.expert_s), dtype=torch.float32).contiguous()  # [L]
+    out = torch.empty(len(parents_t), dtype=torch.int32)  # [C]
+    n = native().select_cost_aware(view(parents_t, "parents"), view(depth_t, "depth"), view(scores_t, "scores"),
+                                   view(predicted_t, "predicted"), view(buffer_t, "buffer"),
+                                   view(expert_t, "expert_s"), view(out, "selected"), float(costs.value_s),
+                                   float(costs.token_s), int(total_tokens))
+    return out[:n].tolist()
+
+
 def selection_costs(shape, hw, *, tokens: int, context: int, bytes_per_weight: float = 2.0) -> SelectionCosts:
     """Prices for a verify of about ``tokens`` tokens after ``context`` cached ones on ``hw``, from
     the cost model (:mod:`moespec.cost.step_cost`): value = a decode step's time with top-k experts
