@@ -61,16 +61,6 @@ TensorView as_one_row(const TensorView& v) {
 // ---------------------------------------------------------------------------------------------
 // Argument checks
 
-void check_view(const TensorView& v, const char* arg, std::initializer_list<DType> dtypes,
-                std::initializer_list<int64_t> dims) {
-  check_not_null(v, arg);
-  check_ndim(v, arg, static_cast<int32_t>(dims.size()));
-  int32_t d = 0;
-  for (int64_t size : dims) check_dim(v, arg, d++, size);
-  check_dtype(v, arg, dtypes);
-  check_device(v, arg, Device::kCPU);
-}
-
 // Outputs must not alias themselves (a broadcast view would).
 void check_out(const TensorView& v, const char* arg, std::initializer_list<DType> dtypes,
                std::initializer_list<int64_t> dims) {

@@ -12,38 +12,25 @@
 namespace moespec {
 
 int64_t select_cost_aware(const SelectCostAwareArgs& a) {
-  for (const auto& [view, name] : {std::pair{&a.parents, "parents"}, std::pair{&a.depth, "depth"},
-                                   std::pair{&a.selected, "selected"}}) {
-    check_not_null(*view, name);
-    check_ndim(*view, name, 1);
-    check_dtype(*view, name, {DType::kInt32});
-    check_contiguous(*view, name);
-  }
-  const int64_t C = a.parents.shape[0];
-  check_dim(a.depth, "depth", 0, C);
-  check_dim(a.selected, "selected", 0, C);
-  check_not_null(a.scores, "scores");
-  check_ndim(a.scores, "scores", 1);
-  check_dim(a.scores, "scores", 0, C);
-  check_dtype(a.scores, "scores", {DType::kFloat32});
-  check_contiguous(a.scores, "scores");
+  check_not_null(a.parents, "parents");
+  const int64_t C = a.parents.ndim == 1 ? a.parents.shape[0] : -1;
   check_not_null(a.predicted, "predicted");
-  check_ndim(a.predicted, "predicted", 3);
-  check_dim(a.predicted, "predicted", 0, C);
-  check_dtype(a.predicted, "predicted", {DType::kInt32});
-  check_contiguous(a.predicted, "predicted");
-  const int64_t L = a.predicted.shape[1], K = a.predicted.shape[2];
+  const bool p3 = a.predicted.ndim == 3;
+  const int64_t L = p3 ? a.predicted.shape[1] : -1, K = p3 ? a.predicted.shape[2] : -1;
   check_not_null(a.buffer, "buffer");
-  check_ndim(a.buffer, "buffer", 2);
-  check_dim(a.buffer, "buffer", 0, L);
-  check_dtype(a.buffer, "buffer", {DType::kUInt8});
-  check_contiguous(a.buffer, "buffer");
-  const int64_t N = a.buffer.shape[1];
-  check_not_null(a.expert_s, "expert_s");
-  check_ndim(a.expert_s, "expert_s", 1);
-  check_dim(a.expert_s, "expert_s", 0, L);
-  check_dtype(a.expert_s, "expert_s", {DType::kFloat32});
-  check_contiguous(a.expert_s, "expert_s");
+  const int64_t N = a.buffer.ndim == 2 ? a.buffer.shape[1] : -1;
+  check_view(a.parents, "parents", {DType::kInt32}, {C});
+  check_view(a.depth, "depth", {DType::kInt32}, {C});
+  check_view(a.scores, "scores", {DType::kFloat32}, {C});
+  check_view(a.predicted, "predicted", {DType::kInt32}, {C, L, K});
+  check_view(a.buffer, "buffer", {DType::kUInt8}, {L, N});
+  check_view(a.expert_s, "expert_s", {DType::kFloat32}, {L});
+  check_view(a.selected, "selected", {DType::kInt32}, {C});
+  for (const auto& [view, name] : {std::pair{&a.parents, "parents"}, std::pair{&a.depth, "depth"},
+                                   std::pair{&a.scores, "scores"}, std::pair{&a.predicted, "predicted"},
+                                   std::pair{&a.buffer, "buffer"}, std::pair{&a.expert_s, "expert_s"},
+                                   std::pair{&a.selected, "selected"}})
+    check_contiguous(*view, name);
   MOESPEC_CHECK_ARG(a.total_tokens >= 1, "total_tokens", "must be >= 1, got ", a.total_tokens);
   MOESPEC_CHECK_ARG(a.value_s >= 0 && a.token_s >= 0, "value_s", "value_s and token_s must be >= 0, got ", a.value_s,
                     " and ", a.token_s);

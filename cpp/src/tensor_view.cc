@@ -120,4 +120,14 @@ void check_device(const TensorView& t, const char* arg, Device device, int32_t d
                     ", got ", t.describe());
 }
 
+void check_view(const TensorView& t, const char* arg, std::initializer_list<DType> dtypes,
+                std::initializer_list<int64_t> dims) {
+  check_not_null(t, arg);
+  check_ndim(t, arg, static_cast<int32_t>(dims.size()));
+  int32_t d = 0;
+  for (int64_t size : dims) check_dim(t, arg, d++, size);
+  check_dtype(t, arg, dtypes);
+  check_device(t, arg, Device::kCPU);
+}
+
 }  // namespace moespec
