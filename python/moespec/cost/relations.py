@@ -210,29 +210,22 @@ def pass_statistics(stats: PairStatistics, x: np.ndarray, request: np.ndarray, p
 
 
 def _seq_statistics(stats: PairStatistics, x: np.ndarray, position: np.ndarray) -> None:
+    """The pairs of one request's sequence tokens: distance classes seq1, seq2, seq4 by explicit
+    pairs, seq8 as every pair less those."""
     order = np.argsort(position, kind="stable")
     x, pos = x[order], position[order]
     n = len(pos)
-    near = np.zeros(x.shape[1:])
-    near_usage = np.zeros(x.shape[1:])
-    near_pairs = 0
+    near_pairs, near_co, near_usage = 0, 0.0, 0.0
     for r, lo, hi in (("seq1", 1, 1), ("seq2", 2, 2), ("seq4", 3, 7)):
-        a, b = [], []
-        for d in range(lo, hi + 1):
-            i = np.arange(n - d) if n > d else np.arange(0)
-            j = i + d
-            ok = pos[j] - pos[i] == d  # consecutive rows of a chunk (positions are contiguous)
-            a.append(i[ok])
-            b.append(j[ok])
-        a, b = np.concatenate(a), np.concatenate(b)
-        before = stats.co[r].copy(), stats.usage[r].copy()
-        _add_pairs(stats, r, x, a, b)
-        near += stats.co[r] - before[0]
-        near_usage += stats.usage[r] - before[1]
-        near_pairs += len(a)
+        pairs = [(i, i + d) for d in range(lo, hi + 1) for i in range(max(n - d, 0)) if pos[i + d] - pos[i] == d]
+        a = np.array([p[0] for p in pairs], dtype=np.int64)
+        b = np.array([p[1] for p in pairs], dtype=np.int64)
+        if len(a):
+            co, usage = (x[a] * x[b]).sum(0), 0.5 * (x[a].sum(0) + x[b].sum(0))
+            stats.add(r, len(a), co, usage)
+            near_pairs, near_co, near_usage = near_pairs + len(a), near_co + co, near_usage + usage
     s = x.sum(0)
-    total_pairs = n * (n - 1) // 2
-    stats.add("seq8", total_pairs - near_pairs, (s * s - s) / 2 - near, 0.5 * s * (n - 1) - near_usage)
+    stats.add("seq8", n * (n - 1) // 2 - near_pairs, (s * s - s) / 2 - near_co, 0.5 * s * (n - 1) - near_usage)
 
 
 def _tree_statistics(stats: PairStatistics, x: np.ndarray, parent: np.ndarray) -> None:
