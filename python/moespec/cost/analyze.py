@@ -6,6 +6,7 @@
     moespec analyze predict  --model model.json --requests B --tree <depth,top_k,total | chain:n> [--json out.json]
     moespec analyze validate --model model.json --trace held_out.npz [more.npz ...] [--json out.json]
     moespec analyze predictor --trace trace.npz [...] [--history 1,4,16] [--json out.json]
+    moespec analyze predictor --engine <folder> --dataset <jsonl> [--train-requests 36] [--steps 300] [--out dir]
     moespec analyze profile  --out cpu.json
     moespec analyze speedup  --shape <name|all> --hardware <h200|h100-sxm|b200|profile.json> [--model model.json]
                              [--batch 1,2,4,...] [--tree ...] [--acceptance AL] [--out-dir DIR]
@@ -144,6 +145,65 @@ def format_validation(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---- the trained expert predictor ------------------------------------------------------------------
+
+
+def train_and_report(engine_folder: str, dataset: Optional[str], *, train_requests: int, steps: int,
+                     out: Optional[str]) -> dict[str, Any]:
+    """Trains the expert predictor on the first ``train_requests`` prompts of the dataset and reports
+    its recall on the others against the static top-k and the history-1 baseline."""
+    import time
+
+    from moespec.bench.run import load_requests, open_engine
+    from moespec.spec.expert_predictor import predictor_samples, recall, top_experts, train_predictor
+
+    if dataset is None:
+        raise ValueError("predictor --engine needs --dataset")
+    engine = open_engine(engine_folder)
+    if engine.head is None:
+        raise ValueError(f"engine {engine_folder} has no EAGLE-3 draft head: the predictor reads its hidden state")
+    if engine.target.config.moe is None:
+        raise ValueError(f"engine {engine_folder}: the target is dense (no MoE layer to predict)")
+    requests = load_requests(dataset, engine)
+    if not 1 <= train_requests < len(requests):
+        raise ValueError(f"--train-requests must be in [1, {len(requests) - 1}] (the rest are held out), got "
+                         f"{train_requests}")
+    moe = engine.target.config.moe
+    start = time.perf_counter()
+    X, Y, _ = predictor_samples(engine.target, engine.head, [r.input_ids for r in requests[:train_requests]])
+    Xh, Yh, Hh = predictor_samples(engine.target, engine.head, [r.input_ids for r in requests[train_requests:]])
+    collected = time.perf_counter() - start
+    predictor = train_predictor(X, Y, moe.num_experts, steps=steps,
+                                meta={"engine": str(engine_folder), "dataset": str(dataset),
+                                      "train_requests": train_requests})
+    trained = time.perf_counter() - start - collected
+    counts = np.stack([np.bincount(Y[:, layer].reshape(-1), minlength=moe.num_experts) for layer in range(Y.shape[1])])
+    static = top_experts(counts.astype(np.float64), moe.top_k)[None]
+    import torch
+
+    H = engine.target.config.hidden_size
+    with torch.no_grad():
+        pred = predictor.predict(Xh[:, :H], Xh[:, H:], moe.top_k).numpy()
+    result = {"engine": str(engine_folder), "train_samples": int(len(X)), "held_out_samples": int(len(Xh)),
+              "recall": {"trained": recall(pred, Yh), "static_top_k": recall(np.broadcast_to(static, Yh.shape), Yh),
+                         "history_1": recall(Hh, Yh)},
+              "chance": moe.top_k / moe.num_experts, "collect_s": collected, "train_s": trained,
+              "predictor": predictor.meta}
+    if out:
+        predictor.save(out)
+        result["out"] = out
+    return result
+
+
+def format_trained(r: dict[str, Any]) -> str:
+    rc = r["recall"]
+    text = (f"expert predictor trained on {r['train_samples']} samples ({r['collect_s']:.0f} s to collect, "
+            f"{r['train_s']:.0f} s to train); held-out recall of a node's true top-k over {r['held_out_samples']} "
+            f"samples: trained {rc['trained']:.3f}, static top-k {rc['static_top_k']:.3f}, history-1 "
+            f"{rc['history_1']:.3f}, chance {r['chance']:.3f}")
+    return text + (f"\nwrote {r['out']}" if r.get("out") else "")
+
+
 # ---- predict -------------------------------------------------------------------------------------
 
 
@@ -199,9 +259,15 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--model", required=True)
     v.add_argument("--trace", required=True, nargs="+", help="one or more held-out traces")
     v.add_argument("--json", help="also write the table here")
-    e = sub.add_parser("predictor", help="recall of the zero-training expert predictor on a trace (EcoSpec)")
-    e.add_argument("--trace", required=True, nargs="+")
-    e.add_argument("--history", default="1,4,16", help="verified tokens the predictor looks back on")
+    e = sub.add_parser("predictor", help="expert predictors (EcoSpec): the history baseline on a trace, or train one "
+                                         "on an engine and report held-out recall")
+    e.add_argument("--trace", nargs="+", help="traces for the history predictor's recall")
+    e.add_argument("--history", default="1,4,16", help="verified tokens the history predictor looks back on")
+    e.add_argument("--engine", help="train the predictor for this engine (with --dataset)")
+    e.add_argument("--dataset", help="prompts: the first --train-requests train, the rest are held out")
+    e.add_argument("--train-requests", type=int, default=36)
+    e.add_argument("--steps", type=int, default=300)
+    e.add_argument("--out", help="write the trained predictor to this folder")
     e.add_argument("--json")
     from moespec.cost.cost_cli import add_parsers
 
@@ -251,8 +317,16 @@ def _run(args) -> int:
         from moespec.cost.cost_cli import _ints
         from moespec.spec.expert_predictor import format_recall, predictor_recall
 
-        result = predictor_recall(concat_traces([load_trace(t) for t in args.trace]), _ints(args.history, "history"))
-        print(format_recall(result))
+        if bool(args.trace) == bool(args.engine):
+            raise ValueError("predictor: give --trace (the history baseline) or --engine with --dataset (train one)")
+        if args.trace:
+            result = predictor_recall(concat_traces([load_trace(t) for t in args.trace]),
+                                      _ints(args.history, "history"))
+            print(format_recall(result))
+        else:
+            result = train_and_report(args.engine, args.dataset, train_requests=args.train_requests,
+                                      steps=args.steps, out=args.out)
+            print(format_trained(result))
         if args.json:
             _write_json(args.json, result)
     else:

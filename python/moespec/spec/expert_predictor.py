@@ -6,14 +6,23 @@ actually used for the request's last ``history`` verified tokens (the node's nea
 ancestors: the sequence before the tree's root), each expert scored by its routing weight summed
 with recency weights ``decay^age``; ``history=1`` is "the nearest verified ancestor's experts".
 Co-routing of neighbouring tokens is what makes it work; :func:`predictor_recall` measures how well
-on a routing trace (``moespec analyze predictor``).
+on a routing trace (``moespec analyze predictor --trace``).
 
-Dimensions: m history tokens, L MoE layers, K top-k, N experts, V verify nodes.
+The **trained predictor** (:class:`ExpertPredictor`) scores a draft node's experts with one linear
+map per MoE layer from what exists when the node is created: the draft head's hidden state at its
+parent (the state that proposed it) and its token's embedding, standardised. It is fitted on
+teacher-forced sequences (:func:`predictor_samples`: the head's step-0 state at row t proposes
+token t + 2, whose natural routing the target computes) with a multi-label logistic loss
+(``moespec analyze predictor --engine``).
+
+Dimensions: m history tokens, L MoE layers, K top-k, N experts, V verify nodes, S samples, D = 2 H.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
@@ -98,3 +107,156 @@ def format_recall(r: dict[str, Any]) -> str:
         lines.append(f"{h:>8}{s['steps']:>9}{s['node_recall']:>13.3f}{'-' if u is None else f'{u:.3f}':>22}"
                      f"{'-' if us is None else f'{us:.3f}':>15}")
     return "\n".join(lines)
+
+
+# ---- the trained predictor ------------------------------------------------------------------------
+
+PREDICTOR_FORMAT, PREDICTOR_VERSION = "moespec-expert-predictor", 1
+
+
+class ExpertPredictor:
+    """Per MoE layer, expert logits = W_l ((x - mean) / std) + b_l, x = [parent draft hidden, token embedding]."""
+
+    def __init__(self, weight, bias, mean, std, meta: Optional[dict[str, Any]] = None):
+        import torch
+
+        self.weight = torch.as_tensor(weight, dtype=torch.float32)  # [L, N, D]
+        self.bias = torch.as_tensor(bias, dtype=torch.float32)  # [L, N]
+        self.mean = torch.as_tensor(mean, dtype=torch.float32)  # [D]
+        self.std = torch.as_tensor(std, dtype=torch.float32)  # [D]
+        self.meta = dict(meta or {})
+        L, N, D = self.weight.shape
+        if self.bias.shape != (L, N) or self.mean.shape != (D,) or self.std.shape != (D,):
+            raise ValueError(f"expert predictor: inconsistent shapes weight {tuple(self.weight.shape)}, bias "
+                             f"{tuple(self.bias.shape)}, mean {tuple(self.mean.shape)}, std {tuple(self.std.shape)}")
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.weight.shape[1])
+
+    def scores(self, parent_hidden, token_embed):
+        """parent_hidden, token_embed [C, H] -> expert logits float32 [C, L, N]."""
+        import torch
+
+        x = (torch.cat([parent_hidden.float(), token_embed.float()], dim=-1) - self.mean) / self.std  # [C, D]
+        return torch.einsum("cd,lnd->cln", x, self.weight) + self.bias
+
+    def predict(self, parent_hidden, token_embed, k: int):
+        """The k best experts per layer: int64 [C, L, k]."""
+        return self.scores(parent_hidden, token_embed).topk(k, dim=-1).indices
+
+    def check_target(self, config) -> None:
+        """ValueError unless this predictor was trained for a target of ``config``'s routing."""
+        moe = config.moe
+        if moe is None:
+            raise ValueError("expert predictor: the target is dense (no MoE layer to predict)")
+        want = (len(moe.layers), moe.num_experts, 2 * config.hidden_size)
+        got = tuple(self.weight.shape)
+        if got != want:
+            raise ValueError(f"expert predictor: trained for {got[0]} MoE layers x {got[1]} experts on {got[2]} "
+                             f"inputs, the target has {want[0]} x {want[1]} on {want[2]} (another target)")
+
+    def save(self, folder: Union[str, Path]) -> Path:
+        from safetensors.torch import save_file
+
+        from moespec.bench.report import write_json_atomic
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / ".predictor.safetensors.tmp"
+        save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous(), "mean": self.mean.contiguous(),
+                   "std": self.std.contiguous()}, str(tmp))
+        tmp.replace(folder / "predictor.safetensors")
+        write_json_atomic(folder / "predictor.json", {"format": PREDICTOR_FORMAT, "version": PREDICTOR_VERSION,
+                                                     **self.meta})
+        return folder
+
+    @staticmethod
+    def load(folder: Union[str, Path]) -> "ExpertPredictor":
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        meta_path, weights_path = folder / "predictor.json", folder / "predictor.safetensors"
+        if not meta_path.is_file() or not weights_path.is_file():
+            raise ValueError(f"expert predictor {folder}: missing predictor.json or predictor.safetensors (train one "
+                             f"with `moespec analyze predictor --engine ... --out {folder}`)")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != PREDICTOR_FORMAT or meta.get("version") != PREDICTOR_VERSION:
+            raise ValueError(f"expert predictor {folder}: not a {PREDICTOR_FORMAT} v{PREDICTOR_VERSION} folder")
+        t = load_file(str(weights_path))
+        missing = {"weight", "bias", "mean", "std"} - set(t)
+        if missing:
+            raise ValueError(f"expert predictor {folder}: missing tensors {sorted(missing)}")
+        return ExpertPredictor(t["weight"], t["bias"], t["mean"], t["std"], meta)
+
+
+def predictor_samples(target, head, sequences: Sequence[Sequence[int]]):
+    """Teacher-forced samples of every sequence: inputs float32 [S, 2H] (the head's step-0 state at
+    row t, the embedding of token t + 2), the natural routing of token t + 2 int32 [S, L, K], and the
+    routing of token t (the nearest verified token: the history baseline) [S, L, K]."""
+    import torch
+
+    from moespec.models.trace import RoutingObserver
+
+    moe = target.config.moe
+    if moe is None:
+        raise ValueError("expert predictor: the target is dense (no MoE layer to predict)")
+    target.set_taps(head.config.aux_layers)
+    X, Y, H = [], [], []
+    for ids in sequences:
+        ids = [int(i) for i in ids]
+        if len(ids) < 3:
+            continue
+        obs = RoutingObserver()
+        target.observer = obs
+        try:
+            cache = target.new_cache(1, len(ids))
+            out = target.prefill(cache, [ids], logits="all")
+        finally:
+            target.observer = None
+        routing = obs.trace(num_experts=moe.num_experts, top_k=moe.top_k, layers=moe.layers).ids  # [T, L, K]
+        tokens = torch.tensor([ids])
+        with torch.no_grad():
+            h0 = head.ttt_forward(tokens, [h.to(head.dtype) for h in out.hidden], 1)[0].hidden[0].float()  # [T, H]
+        emb = target.weights.embed[tokens[0]].float()  # [T, H]
+        X.append(torch.cat([h0[:-2], emb[2:]], dim=-1))
+        Y.append(routing[2:])
+        H.append(routing[:-2])
+    if not X:
+        raise ValueError("expert predictor: no sequence of at least 3 tokens to learn from")
+    return torch.cat(X), np.concatenate(Y), np.concatenate(H)
+
+
+def train_predictor(X, Y: np.ndarray, num_experts: int, *, steps: int = 300, lr: float = 3e-3, l2: float = 1e-4,
+                    seed: int = 0, meta: Optional[dict[str, Any]] = None) -> ExpertPredictor:
+    """Fits the linear maps by full-batch Adam on the multi-label logistic loss (fp32)."""
+    import torch
+
+    if not 1 <= steps <= 100_000:
+        raise ValueError(f"expert predictor: steps must be in [1, 100000], got {steps}")
+    torch.manual_seed(seed)
+    S, L, K = Y.shape
+    labels = torch.zeros(S, L, num_experts)  # [S, L, N]
+    labels.scatter_(2, torch.as_tensor(Y, dtype=torch.long), 1.0)
+    mean, std = X.mean(0), X.std(0) + 1e-5
+    x = (X - mean) / std
+    weight = torch.zeros(L, num_experts, X.shape[1], requires_grad=True)
+    bias = torch.logit(labels.mean(0).clamp(1e-3, 1 - 1e-3)).clone().requires_grad_(True)
+    opt = torch.optim.Adam([weight, bias], lr=lr)
+    for _ in range(steps):
+        logits = torch.einsum("sd,lnd->sln", x, weight) + bias
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels) + l2 * (weight**2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return ExpertPredictor(weight.detach(), bias.detach(), mean, std,
+                           dict(meta or {}, samples=S, steps=steps, final_loss=float(loss.detach())))
+
+
+def recall(predicted: np.ndarray, true: np.ndarray) -> float:
+    """Share of the true top-k ids [S, L, K] found in predicted [S, L, K'] (per sample and layer)."""
+    return float((true[:, :, :, None] == predicted[:, :, None, :]).any(-1).mean())
