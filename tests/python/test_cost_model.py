@@ -232,3 +232,27 @@ def test_trained_predictor_learns_a_token_determined_routing(tmp_path, capsys):
 def test_predictor_needs_one_source(capsys):
     assert _analyze("predictor") == 2
     assert "give --trace" in capsys.readouterr().err
+
+
+def test_engine_ships_a_predictor(tiny, tmp_path):
+    """moespec build --predictor: copied, listed in the manifest, loaded and checked; an engine
+    without one says how to make one; a predictor for another target is refused at build time."""
+    import torch
+
+    from moespec.engine import build_engine, load_engine
+    from moespec.spec.expert_predictor import ExpertPredictor
+
+    root, engine, _ = tiny
+    source = root / "source"
+    info = load_engine(engine)[1]
+    with pytest.raises(ValueError, match="has no expert predictor"):
+        info.expert_predictor()
+    L, N, D = 2, 16, 128  # the tiny Qwen3-MoE: 2 MoE layers of 16 experts, H = 64
+    ExpertPredictor(torch.randn(L, N, D), torch.zeros(L, N), torch.zeros(D), torch.ones(D)).save(tmp_path / "p")
+    built = build_engine(source, tmp_path / "engine", predictor=tmp_path / "p", progress=False).folder
+    info = load_engine(built)[1]
+    assert info.manifest["predictor"]["experts"] == N and info.expert_predictor().num_layers == L
+    ExpertPredictor(torch.randn(L, 8, D), torch.zeros(L, 8), torch.zeros(D), torch.ones(D)).save(tmp_path / "q")
+    with pytest.raises(ValueError, match="another target"):
+        build_engine(source, tmp_path / "engine2", predictor=tmp_path / "q", progress=False)
+    assert not (tmp_path / "engine2").exists()

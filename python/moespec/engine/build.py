@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 import torch
 
 from moespec.engine.folder import (
-    DRAFT, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER, WEIGHTS, config_from_dict, config_to_dict,
+    DRAFT, DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, PREDICTOR, TOKENIZER, WEIGHTS, config_from_dict, config_to_dict,
     is_engine_folder,
 )
 from moespec.engine.gguf import gguf_metadata, gguf_to_hf, is_gguf_file
@@ -70,9 +70,11 @@ class BuildResult:
 
 def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union[str, Path, None] = None,
                  dtype: Literal["bf16", "fp32"] = "bf16", speculation: Optional[dict[str, Any]] = None,
-                 force: bool = False, progress: bool = True, command: Optional[Sequence[str]] = None) -> BuildResult:
+                 force: bool = False, progress: bool = True, command: Optional[Sequence[str]] = None,
+                 predictor: Union[str, Path, None] = None) -> BuildResult:
     """Builds the engine folder ``out`` from ``model`` (a Hugging Face folder, a GGUF file or
-    ``"default"``) and an optional EAGLE-3 head folder ``draft``.
+    ``"default"``), an optional EAGLE-3 head folder ``draft`` and an optional expert predictor
+    folder ``predictor`` (``moespec analyze predictor --out``; checked against the target).
 
     ``speculation`` holds SpeculativeConfig keyword arguments (policy, depth, top_k, total_tokens,
     budget: an int or ExpertBudget) for the engine's default policy; the policy defaults to
@@ -108,6 +110,7 @@ def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union
                              "moespec.engine.folder.config_to_dict)")
         spec = _speculation(spec_args, draft_path is not None, config)
         draft_entry = _write_draft(draft_path, target, tmp / DRAFT, dtype) if draft_path is not None else None
+        predictor_entry = _copy_predictor(predictor, target, tmp / PREDICTOR) if predictor is not None else None
         tensors = flatten(config, target.weights)
         sha = write_safetensors(tmp / WEIGHTS, tensors, metadata={"format": "pt", "moespec": FORMAT},
                                 progress=progress)
@@ -131,6 +134,7 @@ def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union
             },
             "summary": summarize(config, dtype, header.file_size),
             "draft": draft_entry,
+            "predictor": predictor_entry,
             "tokenizer": tokenizer_entry,
             "speculation": spec,
             "provenance": _provenance(source_info, draft_path, command, start),
@@ -311,6 +315,20 @@ def _write_draft(source: Path, target, folder: Path, dtype: str) -> dict[str, An
             "dtype": dtype, "files": files}
 
 
+def _copy_predictor(source: Union[str, Path], target, folder: Path) -> dict[str, Any]:
+    """Checks the expert predictor fits the target and copies its two files."""
+    from moespec.spec.expert_predictor import ExpertPredictor
+
+    predictor = ExpertPredictor.load(source)
+    predictor.check_target(target.config)
+    folder.mkdir()
+    files = {}
+    for name in ("predictor.json", "predictor.safetensors"):
+        shutil.copy2(Path(source) / name, folder / name)
+        files[name] = {"bytes": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
+    return {"folder": PREDICTOR, "layers": predictor.num_layers, "experts": predictor.num_experts, "files": files}
+
+
 def _copy_tokenizer(source: Path, folder: Path, info: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Copies the source's tokenizer files (if it has a tokenizer) and checks that they load alone."""
     names = [n for n in TOKENIZER_FILES if (source / n).is_file()]
@@ -476,6 +494,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder, GGUF file, or 'default' (the "
                                                   "project's default model; ./default for a folder of that name)")
     p.add_argument("--draft", help="EAGLE-3 draft head folder (official, SpecForge or vLLM names)")
+    p.add_argument("--predictor", help="expert predictor folder (moespec analyze predictor --out) to ship with the "
+                                       "engine")
     p.add_argument("--out", required=True, help="the engine folder to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     from moespec.config import POLICY_NAMES
@@ -493,7 +513,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     speculation = {"policy": args.policy, "depth": args.depth, "top_k": args.top_k, "total_tokens": args.total_tokens,
                    "budget": args.budget}
     try:
-        result = build_engine(args.model, args.out, draft=args.draft, dtype=args.dtype, speculation=speculation,
+        result = build_engine(args.model, args.out, draft=args.draft, predictor=args.predictor, dtype=args.dtype,
+                              speculation=speculation,
                               force=args.force, progress=not args.quiet, command=["moespec", "build", *argv])
     except ValueError as exc:
         print(f"moespec build: error: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ file is :mod:`moespec.engine.tensors`. Layout::
     <engine>/manifest.json        written last: a folder without it is not (yet) an engine
     <engine>/weights.safetensors  the runtime layout (ModelWeights), experts [E, 3 I H] per MoE layer
     <engine>/draft/               optional EAGLE-3 head: config.json + model.safetensors, official names
+    <engine>/predictor/           optional expert predictor (cost-aware trees): predictor.json + .safetensors
     <engine>/tokenizer/           optional: the source's tokenizer files
 
 Manifest (``format_version`` 1)::
@@ -20,6 +21,7 @@ Manifest (``format_version`` 1)::
                              expert_intermediate_size, bytes_per_expert, expert_bytes, weights_bytes
     draft                    null | {folder, config (Eagle3Config.to_config), aux_layers, parameters,
                              dtype, files: {name: {bytes, sha256}}}
+    predictor                (optional) null | {folder, layers, experts, files: {name: {bytes, sha256}}}
     tokenizer                null | {folder, files: {name: {bytes, sha256}}}
     speculation              {policy, depth, top_k, total_tokens, budget: null | {max_experts, policy, coverage}}
     provenance               {source: {kind, path, files, ...}, draft_source, moespec_version, git_commit,
@@ -47,6 +49,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 DRAFT = "draft"
+PREDICTOR = "predictor"
 TOKENIZER = "tokenizer"
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 REBUILD = "rebuild it with `moespec build --model <source> --out <engine folder>`"
@@ -204,6 +207,7 @@ class EngineInfo:
     config: ModelConfig
     dtype: str  # the engine's dtype, "bf16" | "fp32"
     draft_folder: Optional[Path]  # an official EAGLE-3 folder (moespec.spec.eagle3.load_eagle3 reads it)
+    predictor_folder: Optional[Path]  # an expert predictor (moespec.spec.expert_predictor.ExpertPredictor.load)
     tokenizer_folder: Optional[Path]
     speculation: dict[str, Any]  # SpeculativeConfig keyword arguments (see engine_defaults)
     mapped: bool  # the weights are views of the memory-mapped file (False when converted to another dtype)
@@ -215,6 +219,18 @@ class EngineInfo:
     @property
     def provenance(self) -> dict[str, Any]:
         return self.manifest["provenance"]
+
+    def expert_predictor(self):
+        """The engine's expert predictor, checked against its target; ValueError when it has none."""
+        from moespec.spec.expert_predictor import ExpertPredictor
+
+        if self.predictor_folder is None:
+            raise ValueError(f"engine {self.folder} has no expert predictor (a cost-aware tree needs one): train one "
+                             f"with `moespec analyze predictor --engine {self.folder} --dataset <jsonl> --out <dir>` "
+                             f"and rebuild with `moespec build ... --predictor <dir>`")
+        predictor = ExpertPredictor.load(self.predictor_folder)
+        predictor.check_target(self.config)
+        return predictor
 
 
 def _side_folder(folder: Path, manifest: dict[str, Any], key: str) -> Optional[Path]:
@@ -315,6 +331,7 @@ def load_engine(folder: Union[str, Path], *, dtype: Optional[Literal["bf16", "fp
             raise ValueError(f"{path}: sha256 {digest} differs from the manifest's {wmeta.get('sha256')} (corrupt or "
                              f"replaced); {REBUILD}")
     draft = _side_folder(folder, manifest, "draft")
+    predictor = _side_folder(folder, manifest, "predictor")
     tokenizer = _side_folder(folder, manifest, "tokenizer")
     spec = speculation_kwargs(manifest["speculation"], f"{where}: speculation")
     tensors = map_tensors(path, header)
@@ -324,7 +341,8 @@ def load_engine(folder: Union[str, Path], *, dtype: Optional[Literal["bf16", "fp
         tensors = {k: v.to(torch_dtype) for k, v in tensors.items()}
     model = TargetModel(config, unflatten(config, tensors, torch_dtype), taps=taps, moe_impl=moe_impl)
     info = EngineInfo(folder=folder, manifest=manifest, config=config, dtype=manifest["dtype"] if mapped else dtype,
-                      draft_folder=draft, tokenizer_folder=tokenizer, speculation=spec, mapped=mapped)
+                      draft_folder=draft, predictor_folder=predictor, tokenizer_folder=tokenizer, speculation=spec,
+                      mapped=mapped)
     return model, info
 
 
