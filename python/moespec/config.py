@@ -2,7 +2,7 @@
 decoding config, parsed once).
 
 A policy is a drafter (``none`` or ``eagle3``) x a tree selector (``eagle2``: the best
-``total_tokens`` candidates; the cost-aware selector joins with the ``eco`` policies) x a verify
+``total_tokens`` candidates; ``cost_aware``: EcoSpec's, :mod:`moespec.spec.cost_aware`) x a verify
 routing (``exact``, or ``budget``: MoE-Spec's expert budget on every verify pass). Policy names,
 their parsing (``eagle3+budget:16[:truncation]``), the default policy of a command and the default
 draft tree live here and nowhere else; the CLI, the engine manifest and the LLM API all produce a
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 Drafter = Literal["none", "eagle3"]
-Selector = Literal["none", "eagle2"]
+Selector = Literal["none", "eagle2", "cost_aware"]
 VerifyRouting = Literal["exact", "budget"]
 
 
@@ -39,6 +39,8 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
     PolicySpec("ar", "none", "none", "exact"),
     PolicySpec("eagle3", "eagle3", "eagle2", "exact"),
     PolicySpec("eagle3+budget", "eagle3", "eagle2", "budget"),
+    PolicySpec("eco", "eagle3", "cost_aware", "exact"),
+    PolicySpec("eco+budget", "eagle3", "cost_aware", "budget"),
 )}
 POLICY_NAMES = tuple(POLICIES)
 POLICY_FORMS = ", ".join(n for n in POLICY_NAMES if not POLICIES[n].budgeted) + ", " + ", ".join(

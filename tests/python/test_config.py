@@ -12,7 +12,8 @@ from moespec.spec.llm import SpeculativeConfig
 def test_policies_are_compositions():
     assert {n: (p.drafter, p.selector, p.verify) for n, p in POLICIES.items()} == {
         "ar": ("none", "none", "exact"), "eagle3": ("eagle3", "eagle2", "exact"),
-        "eagle3+budget": ("eagle3", "eagle2", "budget")}
+        "eagle3+budget": ("eagle3", "eagle2", "budget"), "eco": ("eagle3", "cost_aware", "exact"),
+        "eco+budget": ("eagle3", "cost_aware", "budget")}
     assert SpeculativeConfig("eagle3+budget", budget=12).spec.budgeted
     assert not SpeculativeConfig("ar").spec.speculative
 
@@ -21,6 +22,7 @@ def test_policies_are_compositions():
     ("ar", "ar", None), (" eagle3 ", "eagle3", None), ("eagle3+budget", "eagle3+budget", None),
     ("eagle3+budget:16", "eagle3+budget", ExpertBudget(16)),
     ("eagle3+budget:12:truncation", "eagle3+budget", ExpertBudget(12, "truncation")),
+    ("eco", "eco", None), ("eco+budget:16", "eco+budget", ExpertBudget(16)),
 ])
 def test_parse(text, name, budget):
     spec, cap = parse_policy_text(text)
@@ -28,7 +30,7 @@ def test_parse(text, name, budget):
 
 
 @pytest.mark.parametrize("text, match", [
-    ("eco", "unknown policy 'eco'"), ("eagle3:16", "unknown policy 'eagle3:16'"), ("ar:3", "unknown policy"),
+    ("ecospec", "unknown policy 'ecospec'"), ("eagle3:16", "unknown policy 'eagle3:16'"), ("ar:3", "unknown policy"),
     ("eagle3+budget:x", "policy 'eagle3\\+budget:x'"), ("eagle3+budget:16:greedy", "policy 'eagle3\\+budget:16:greedy'"),
 ])
 def test_bad_policies(text, match):
@@ -39,6 +41,7 @@ def test_bad_policies(text, match):
 def test_defaults_and_messages():
     assert default_policy(has_draft=False) == "ar" and default_policy(has_draft=True) == "eagle3"
     assert default_policy(has_draft=True, budget=16) == "eagle3+budget"
-    assert POLICY_FORMS == "ar, eagle3, eagle3+budget (with --budget) or eagle3+budget:<max experts>[:truncation]"
-    with pytest.raises(ValueError, match="expected one of 'ar', 'eagle3', 'eagle3\\+budget'"):
-        policy_spec("eco")
+    assert POLICY_FORMS == ("ar, eagle3, eco, eagle3+budget (with --budget) or eagle3+budget:<max experts>"
+                            "[:truncation], eco+budget (with --budget) or eco+budget:<max experts>[:truncation]")
+    with pytest.raises(ValueError, match="expected one of 'ar', 'eagle3', 'eagle3\\+budget', 'eco'"):
+        policy_spec("ecospec")

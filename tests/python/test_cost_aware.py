@@ -96,3 +96,74 @@ def test_native_selection_names_bad_arguments():
         select_cost_aware_native([-1], [1], [0.0], np.zeros((1, 1, 1)), buffer, costs, 0)
     with pytest.raises(ValueError, match="scores"):
         select_cost_aware_native([-1], [1], [float("nan")], np.zeros((1, 1, 1)), buffer, costs, 1)
+
+
+# ---- the eco policies --------------------------------------------------------------------------------
+
+
+def test_tree_from_selection_equals_eagle2s_tree_at_zero_cost():
+    """The cost-aware tree built from a selection is the native builder's own tree when the selection
+    is EAGLE-2's (zero costs): same tokens, parents, depths, masks and paths."""
+    import torch
+
+    from moespec.spec.tree import TreeBuilder, tree_from_selection
+
+    gen = torch.Generator().manual_seed(3)
+    B, K, D, M = 2, 3, 3, 7
+    builder = TreeBuilder(B, depth=D, top_k=K, total_tokens=M)
+    top = torch.log_softmax(torch.randn(B, 50, generator=gen), -1).topk(K)
+    builder.expand_root([11, 12], top.indices, top.values)
+    for _ in range(D - 1):
+        top = torch.log_softmax(torch.randn(B, K, 50, generator=gen), -1).topk(K)
+        builder.expand(top.indices, top.values)
+    want = [t.clone() for t in builder.finalize()]
+    zero = SelectionCosts(1.0, 0.0, np.zeros(1))
+    for b in range(B):
+        c = builder.candidates(b)
+        chosen = select_cost_aware_native(c.parents.numpy(), c.depth.numpy(), c.scores.numpy(),
+                                          np.zeros((len(c.tokens), 1, 1)), np.zeros((1, 2), dtype=bool), zero, M)
+        got = tree_from_selection([11, 12][b], c, chosen)
+        for name in ("tokens", "parents", "depth", "mask_words", "paths", "candidates"):
+            assert torch.equal(getattr(got, name), getattr(want[b], name)), name
+        assert torch.allclose(got.scores, want[b].scores)
+
+
+def test_eco_policies_are_lossless_and_need_a_predictor(tmp_path):
+    """Greedy eco and eco+budget (budget >= N) equal greedy ar token for token, batches included (the
+    selection only chooses which drafted nodes are verified); clear errors without a predictor and on a
+    dense target."""
+    import sys
+    from pathlib import Path
+
+    import pytest
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from models_fixtures import write_checkpoint
+    from test_bench import _head_folder
+
+    import moespec.models as mm
+    from moespec import LLM, SamplingParams, SpeculativeConfig
+    from moespec.engine import build_engine
+    from moespec.spec.expert_predictor import ExpertPredictor
+
+    src = write_checkpoint("qwen3_moe", tmp_path / "source")
+    draft = _head_folder(tmp_path / "draft", mm.load(src, "bf16"))
+    torch.manual_seed(0)
+    ExpertPredictor(torch.randn(2, 16, 128), torch.zeros(2, 16), torch.zeros(128), torch.ones(128)).save(tmp_path / "p")
+    engine = build_engine(src, tmp_path / "engine", draft=draft, predictor=tmp_path / "p", progress=False).folder
+    prompts = [[5, 17, 33, 64, 9], [3, 4, 120, 77, 13, 50, 8], [101, 2, 77]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(engine, speculative_config=SpeculativeConfig("ar")).generate(
+        prompts, params)]
+    for policy, extra in (("eco", {}), ("eco+budget", {"budget": 16})):
+        config = SpeculativeConfig(policy, depth=3, top_k=3, total_tokens=6, **extra)
+        got = LLM(engine, speculative_config=config, max_batch_size=2).generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == want, policy
+    plain = build_engine(src, tmp_path / "plain", draft=draft, progress=False).folder
+    with pytest.raises(ValueError, match="needs an expert predictor"):
+        LLM(plain, speculative_config=SpeculativeConfig("eco"))
+    dense = write_checkpoint("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="is dense"):
+        LLM(dense, draft=_head_folder(tmp_path / "dense_draft", mm.load(dense, "bf16")),
+            speculative_config=SpeculativeConfig("eco"))

@@ -213,8 +213,11 @@ def make_llm(engine: Engine, choice: PolicyChoice, max_batch_size: int):
     if max_batch_size < 1:
         raise ValueError(f"the batch size must be >= 1, got {max_batch_size}")
     draft = engine.head if choice.config.spec.speculative else None
+    predictor = None
+    if choice.config.spec.selector == "cost_aware":
+        predictor = engine.info.expert_predictor()
     return LLM(engine.target, draft=draft, speculative_config=choice.config, max_batch_size=max_batch_size,
-               tokenizer=engine.tokenizer)
+               tokenizer=engine.tokenizer, predictor=predictor)
 
 
 def max_draft_len(llm) -> int:

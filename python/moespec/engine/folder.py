@@ -282,6 +282,19 @@ def engine_defaults(folder: Union[str, Path]) -> tuple[Optional[Path], Optional[
     return _side_folder(folder, manifest, "draft"), _side_folder(folder, manifest, "tokenizer"), spec
 
 
+def engine_predictor(folder: Union[str, Path], config: ModelConfig):
+    """The expert predictor shipped in an engine folder (checked against ``config``), or None."""
+    from moespec.spec.expert_predictor import ExpertPredictor
+
+    folder = Path(folder)
+    path = _side_folder(folder, read_manifest(folder), PREDICTOR)
+    if path is None:
+        return None
+    predictor = ExpertPredictor.load(path)
+    predictor.check_target(config)
+    return predictor
+
+
 def load_engine(folder: Union[str, Path], *, dtype: Optional[Literal["bf16", "fp32"]] = None, taps: Sequence[int] = (),
                 moe_impl: Optional[str] = None, verify: bool = False) -> tuple[TargetModel, EngineInfo]:
     """Loads an engine folder: the target model over a memory map of its weights file, and its info.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -118,3 +118,70 @@ def selection_costs(shape, hw, *, tokens: int, context: int, bytes_per_weight: f
              + hw.token_layer_us * 1e-6 * shape.layers)
     expert = hw.expert_seconds(shape.expert_params * bytes_per_weight, 1.0, bytes_per_weight)
     return SelectionCosts(decode.seconds, max(token, 0.0), np.full(shape.moe_layers, expert))
+
+
+# ---- the selector of the eco policies ------------------------------------------------------------
+
+def default_hardware():
+    """The profile the eco policies price nodes with: MOESPEC_HARDWARE (a name or a profile .json,
+    see moespec.cost.hardware.hardware) when set, else a rough 2-core CPU estimate (measure yours
+    with `moespec analyze profile --engine <engine> --out cpu.json`)."""
+    import os
+
+    from moespec.cost.hardware import Hardware, hardware
+
+    if os.environ.get("MOESPEC_HARDWARE"):
+        return hardware(os.environ["MOESPEC_HARDWARE"])
+    return Hardware("cpu-estimate", 15.0, 0.1, 300.0, "a 2-core CPU estimate (set MOESPEC_HARDWARE to a measured "
+                    "profile)", {1: 14.0, 8: 9.0, 64: 1.5}, expert_gbs={1: 9.0, 2: 12.0, 8: 7.0}, token_layer_us=27.0)
+
+
+class CostAwareTrees:
+    """Chooses each request's verify set after EAGLE-2's expansion (the ``eco`` policies): every
+    candidate's experts predicted from its parent's draft hidden state and its token, the batch's
+    buffer started with each root's predicted experts, then :func:`select_cost_aware_native`
+    request by request (the buffer is the batch's union: one verify pass reads it)."""
+
+    def __init__(self, target, predictor, costs: SelectionCosts, total_tokens: int):
+        predictor.check_target(target.config)
+        self.target, self.predictor, self.costs, self.total_tokens = target, predictor, costs, total_tokens
+        self.top_k = target.config.moe.top_k
+        self.last_predicted_unique: Optional[np.ndarray] = None  # [L] of the last step
+
+    def trees(self, builder, roots: Sequence[int], root_hidden, level_hidden: Sequence) -> list:
+        """roots [B]; root_hidden [B, H]: the draft state that proposed level 1; level_hidden[i]
+        [B, K, H]: the frontier states that proposed level i + 2 (slot s -> candidates C_i + s K + j)."""
+        import torch
+
+        from moespec.spec.tree import tree_from_selection
+
+        embed = self.target.weights.embed
+        B = len(roots)
+        L, N = self.predictor.num_layers, self.predictor.num_experts
+        root_pred = self.predictor.predict(root_hidden, embed[torch.tensor(roots)], self.top_k)  # [B, L, k]
+        buffer = np.zeros((L, N), dtype=bool)
+        for b in range(B):
+            for layer in range(L):
+                buffer[layer, root_pred[b, layer].numpy()] = True
+        out = []
+        for b in range(B):
+            cands = builder.candidates(b)
+            C = len(cands.tokens)
+            K = int(builder.top_k)
+            parent_h = [root_hidden[b].expand(min(K, C), -1)]
+            start = K
+            for h in level_hidden:
+                if start >= C:
+                    break
+                parent_h.append(h[b].repeat_interleave(K, dim=0)[: C - start])  # [K K, H]
+                start += K * K
+            parent = torch.cat(parent_h)[:C]  # [C, H]
+            predicted = self.predictor.predict(parent, embed[cands.tokens], self.top_k).numpy().astype(np.int32)
+            chosen = select_cost_aware_native(cands.parents.numpy(), cands.depth.numpy(), cands.scores.numpy(),
+                                              predicted, buffer, self.costs, self.total_tokens)
+            for c in chosen:
+                for layer in range(L):
+                    buffer[layer, predicted[c, layer]] = True
+            out.append(tree_from_selection(int(roots[b]), cands, chosen))
+        self.last_predicted_unique = buffer.sum(-1)
+        return out

@@ -39,7 +39,7 @@ from moespec.spec.tree import TreeBuilder
 class Eagle3Policy:
     """EAGLE-3 with an EAGLE-2 dynamic tree; with ``config.budget`` the verify pass is budgeted."""
 
-    def __init__(self, target: TargetModel, draft, config):
+    def __init__(self, target: TargetModel, draft, config, predictor=None):
         self.target = target
         self.head: Eagle3Head = draft if isinstance(draft, Eagle3Head) else load_eagle3(draft, target)
         self.config = config
@@ -50,6 +50,21 @@ class Eagle3Policy:
                              "without MoE layers, so an expert budget has nothing to cap (use 'eagle3')")
         target.set_taps(self.head.config.aux_layers)
         self._builders: dict[int, TreeBuilder] = {}
+        self.selector = None  # the cost-aware verify-set choice of the eco policies (None: EAGLE-2's)
+        if config.spec.selector == "cost_aware":
+            from moespec.cost.step_cost import shape_from_config
+            from moespec.spec.cost_aware import CostAwareTrees, default_hardware, selection_costs
+
+            if target.config.moe is None:
+                raise ValueError(f"policy {config.policy!r}: the target ({target.config.architecture}) is dense: a "
+                                 "cost-aware tree prices experts it does not have (use 'eagle3')")
+            if predictor is None:
+                raise ValueError(f"policy {config.policy!r} needs an expert predictor: an engine built with "
+                                 "`moespec build ... --predictor <dir>` (moespec analyze predictor --out <dir>), or "
+                                 "LLM(..., predictor=ExpertPredictor.load(<dir>))")
+            costs = selection_costs(shape_from_config(target.config), default_hardware(),
+                                    tokens=config.total_tokens + 1, context=256)
+            self.selector = CostAwareTrees(target, predictor, costs, config.total_tokens)
 
     @property
     def max_tree_nodes(self) -> int:
@@ -134,6 +149,7 @@ class Eagle3Policy:
         builder = self._builder(B)
         top = torch.log_softmax(run.extra["draft_logits"], dim=-1).topk(K, dim=-1)  # [B, K]
         frontier = builder.expand_root(roots, top.indices, top.values)
+        level_hidden = []  # the frontier states that propose each next level (for the cost-aware choice)
         n = torch.tensor(dc.lengths)  # [B] accepted draft entries
         H = run.extra["draft_hidden"].shape[-1]
         hidden = run.extra["draft_hidden"][:, None, :].expand(B, K, H)  # the frontier's parents' outputs
@@ -147,6 +163,9 @@ class Eagle3Policy:
             top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
             frontier = builder.expand(top.indices, top.values)
             parent = frontier.parent_slot.long()[:, :, None]  # [B, K, 1]
+            level_hidden.append(out.hidden)
             hidden = out.hidden.gather(1, parent.expand(B, K, H))
             seen = seen.gather(1, parent.expand(B, K, S))
+        if self.selector is not None:
+            return self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden)
         return [t.clone() for t in builder.finalize()]

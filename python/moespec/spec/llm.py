@@ -27,8 +27,10 @@ PolicyName = str  # a name of moespec.config.POLICIES: "ar", "eagle3", "eagle3+b
 class SpeculativeConfig:
     """Which decoding policy runs and with which draft tree.
 
-    policy : "ar" (plain decoding), "eagle3" (EAGLE-3 tree, no budget) or "eagle3+budget"
-        (MoE-Spec: ``budget`` applied to every MoE layer on every verify pass, per batch).
+    policy : a name of :data:`moespec.config.POLICIES`: "ar" (plain decoding), "eagle3" (EAGLE-3 tree,
+        no budget), "eagle3+budget" (MoE-Spec: ``budget`` applied to every MoE layer on every verify
+        pass, per batch), "eco" / "eco+budget" (the verify set chosen cost-aware, EcoSpec; needs an
+        expert predictor).
     depth, top_k, total_tokens : the EAGLE-2 dynamic tree (expansion steps, branching, draft
         nodes kept after reranking).
     budget : ExpertBudget or int (max experts), required by "eagle3+budget".
@@ -147,7 +149,7 @@ class LLM:
 
     def __init__(self, model: Union[str, Path, TargetModel], draft=None,
                  speculative_config: Optional[SpeculativeConfig] = None, dtype: Literal["bf16", "fp32"] = "bf16",
-                 *, max_batch_size: int = 8, tokenizer=None):
+                 *, max_batch_size: int = 8, tokenizer=None, predictor=None):
         from moespec.engine import engine_defaults, is_engine_folder
         from moespec.spec.policies import make_policy
 
@@ -165,7 +167,7 @@ class LLM:
             speculative_config = SpeculativeConfig(default_policy(has_draft=draft is not None))
         self.speculative_config = speculative_config
         self.max_batch_size = max_batch_size
-        self.policy = make_policy(self.target, draft, speculative_config, self.model_path)
+        self.policy = make_policy(self.target, draft, speculative_config, self.model_path, predictor)
 
     # ---- prompts and text ---------------------------------------------------------------------------
 

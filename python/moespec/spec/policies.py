@@ -52,15 +52,22 @@ class ARPolicy:
         return [None if r.finished else [sample(out.logits[b], r.params, r.generator)] for b, r in enumerate(batch)]
 
 
-def make_policy(target: TargetModel, draft, config, model_path: Optional[Path] = None):
-    """The policy object for a SpeculativeConfig."""
+def make_policy(target: TargetModel, draft, config, model_path: Optional[Path] = None, predictor=None):
+    """The policy object for a SpeculativeConfig (``predictor``: the expert predictor a cost-aware
+    tree needs; default: the one shipped in the engine folder ``model_path``, if any)."""
     if not config.spec.speculative:
         return ARPolicy(target)
     if draft is None:
         raise ValueError(f"policy {config.policy!r} needs an EAGLE-3 draft head (LLM(..., draft=<folder>))")
     from moespec.spec.eagle3_policy import Eagle3Policy
 
-    return Eagle3Policy(target, draft, config)
+    if config.spec.selector == "cost_aware" and predictor is None and model_path is not None:
+        from moespec.engine import is_engine_folder
+        from moespec.engine.folder import engine_predictor
+
+        if is_engine_folder(model_path):
+            predictor = engine_predictor(model_path, target.config)
+    return Eagle3Policy(target, draft, config, predictor=predictor)
 
 
 __all__ = ["ARPolicy", "Run", "accept", "make_policy"]

@@ -396,6 +396,43 @@ class TreeBuilder:
         return descriptors, slices
 
 
+def tree_from_selection(root_token: int, cands: Candidates, selected: Sequence[int]) -> DraftTree:
+    """The DraftTree of a chosen, ancestor-closed set of candidate indices (a cost-aware selection):
+    nodes in creation order after the root, the contract's masks and lexicographic root-to-leaf paths."""
+    order = sorted(int(c) for c in selected)
+    node_of = {c: i + 1 for i, c in enumerate(order)}
+    n = len(order) + 1
+    parents = [-1] + [node_of.get(int(cands.parents[c]), 0) if int(cands.parents[c]) >= 0 else 0 for c in order]
+    for c in order:
+        p = int(cands.parents[c])
+        if p >= 0 and p not in node_of:
+            raise ValueError(f"tree_from_selection: candidate {c}'s parent {p} is not selected (not ancestor-closed)")
+    depth = [0] * n
+    bits = torch.zeros(n, n, dtype=torch.bool)  # [M+1, M+1]
+    for i in range(n):
+        if i:
+            depth[i] = depth[parents[i]] + 1
+            bits[i] = bits[parents[i]]
+        bits[i, i] = True
+    has_child = set(parents[1:])
+    leaves = [i for i in range(n) if i not in has_child]
+    paths = []
+    for leaf in leaves:
+        path, i = [], leaf
+        while i >= 0:
+            path.append(i)
+            i = parents[i]
+        paths.append(path[::-1])
+    paths.sort()
+    width = max(len(p) for p in paths)
+    tokens = torch.tensor([int(root_token)] + [int(cands.tokens[c]) for c in order], dtype=torch.int64)
+    return DraftTree(tokens=tokens, parents=torch.tensor(parents, dtype=torch.int32),
+                     depth=torch.tensor(depth, dtype=torch.int32), mask_words=pack_mask(bits),
+                     paths=torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.int32),
+                     scores=torch.tensor([0.0] + [float(cands.scores[c]) for c in order], dtype=torch.float32),
+                     candidates=torch.tensor([-1] + order, dtype=torch.int32))
+
+
 def _describe(t: object) -> str:
     if isinstance(t, torch.Tensor):
         return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} ({t.device})"
