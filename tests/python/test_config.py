@@ -45,3 +45,17 @@ def test_defaults_and_messages():
                             "[:truncation], eco+budget (with --budget) or eco+budget:<max experts>[:truncation]")
     with pytest.raises(ValueError, match="expected one of 'ar', 'eagle3', 'eagle3\\+budget', 'eco'"):
         policy_spec("ecospec")
+
+
+def test_report_schemas_name_every_registered_policy():
+    import json
+    from pathlib import Path
+
+    from moespec.config import POLICY_NAMES
+
+    schemas = Path(__file__).resolve().parents[2] / "python" / "moespec" / "bench" / "schemas"
+    for name in ("report.schema.json", "compare.schema.json"):
+        text = (schemas / name).read_text()
+        enums = [json.loads(part.split("]")[0] + "]") for part in text.split('"policy": {"enum": ')[1:]]
+        decoding = [e for e in enums if "ar" in e]  # (the budget's own "policy" enum is another field)
+        assert decoding and all(tuple(e) == POLICY_NAMES for e in decoding), name
