@@ -11,8 +11,8 @@
 // repeatedly the frontier candidate (parent = the root or chosen) of largest gain is chosen (ties:
 // score desc, depth asc, index asc: EAGLE-2's order), its experts join the buffer, until
 // total_tokens are chosen, none is left, or the best gain is <= 0 while some cost is > 0 (with all
-// costs 0 it is EAGLE-2's selection). The result is ancestor-closed and goes to
-// DraftTreeBuilder::finalize_selected.
+// costs 0 it is EAGLE-2's selection). The result is ancestor-closed and becomes the verify tree through
+// DraftTreeBuilder::finalize_selected (C++) or moespec.spec.tree.tree_from_selection (the eco policies).
 //
 // Dimensions: C candidates, L MoE layers, K predicted experts per candidate, N experts.
 #pragma once
