@@ -64,7 +64,7 @@ def default_policy(*, has_draft: bool, budget: Optional[object] = None) -> str:
     """A command's policy when none is named: the budgeted EAGLE-3 policy with a budget, EAGLE-3
     with a draft head, else plain decoding."""
     if budget is not None:
-        return next(n for n, p in POLICIES.items() if p.budgeted and p.selector == "eagle2")
+        return "eagle3+budget"
     return "eagle3" if has_draft else "ar"
 
 

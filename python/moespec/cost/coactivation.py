@@ -39,7 +39,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 import numpy as np
 
 from moespec.cost.relations import (RELATIONS, Group, PairStatistics, group_census, indicators,
-                                    trace_pair_statistics)
+                                    trace_pair_statistics, uniform_unique)
 
 MODEL_FORMAT, MODEL_VERSION = "moespec-coactivation", 1
 PREDICTORS = ("ipf", "independent", "uniform")
@@ -167,7 +167,7 @@ class CoactivationModel:
             raise ValueError(f"predictor: expected one of {PREDICTORS}, got {predictor!r}")
         n = sum(g.n for g in groups)
         if predictor == "uniform":
-            return np.full(len(self.layers), self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** n))
+            return np.full(len(self.layers), uniform_unique(self.num_experts, self.top_k, n))
         if predictor == "independent":
             return (1 - (1 - self.marginals) ** n).sum(-1)
         return expected_unique(self, groups)

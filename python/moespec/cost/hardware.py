@@ -66,7 +66,7 @@ class Hardware:
         if nbytes <= 0 or tokens <= 0:
             return 0.0
         if self.matrix_gbs:
-            return nbytes / (self._interp(tokens) * 1e9)
+            return nbytes / (_interp(self.matrix_gbs, tokens) * 1e9)
         flops = 2.0 * tokens * nbytes / bytes_per_weight
         return max(nbytes / (self.bandwidth_gbs * 1e9), flops / (self.peak_tflops * 1e12))
 
@@ -78,9 +78,6 @@ class Hardware:
         if self.expert_gbs:
             return nbytes / (_interp(self.expert_gbs, tokens_per_expert) * 1e9)
         return self.matrix_seconds(nbytes, tokens_per_expert, bytes_per_weight)
-
-    def _interp(self, tokens: float) -> float:
-        return _interp(self.matrix_gbs, tokens)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -30,8 +30,6 @@ import numpy as np
 
 RELATIONS = ("parent", "sibling", "ancestor", "cousin", "seq1", "seq2", "seq4", "seq8", "cross")
 WITHIN = RELATIONS[:-1]
-TREE_RELATIONS = RELATIONS[:4]
-SEQ_RELATIONS = RELATIONS[4:8]
 
 
 @dataclass(frozen=True)

@@ -81,15 +81,6 @@ class Trace:
         bounds = np.concatenate(([0], cut, [self.num_rows]))
         return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def select(self, rows: np.ndarray) -> "Trace":
-        """The trace of the given rows (whole passes; parents re-indexed)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        remap = np.full(self.num_rows, -1, dtype=np.int64)
-        remap[rows] = np.arange(len(rows))
-        parent = np.where(self.parent[rows] >= 0, remap[np.maximum(self.parent[rows], 0)], -1)
-        return Trace(self.ids[rows], self.weights[rows], self.pass_id[rows], self.kind[rows], self.request[rows],
-                     self.position[rows], parent, self.num_experts, self.top_k, self.layers, dict(self.meta))
-
 
 def validate(t: Trace) -> None:
     """TraceError naming the array at fault for any break of the contract."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -146,7 +146,6 @@ class CostAwareTrees:
         predictor.check_target(target.config)
         self.target, self.predictor, self.costs, self.total_tokens = target, predictor, costs, total_tokens
         self.top_k = target.config.moe.top_k
-        self.last_predicted_unique: Optional[np.ndarray] = None  # [L] of the last step
 
     def trees(self, builder, roots: Sequence[int], root_hidden, level_hidden: Sequence) -> list:
         """roots [B]; root_hidden [B, H]: the draft state that proposed level 1; level_hidden[i]
@@ -183,5 +182,4 @@ class CostAwareTrees:
                 for layer in range(L):
                     buffer[layer, predicted[c, layer]] = True
             out.append(tree_from_selection(int(roots[b]), cands, chosen))
-        self.last_predicted_unique = buffer.sum(-1)
         return out

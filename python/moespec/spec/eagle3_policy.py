@@ -149,7 +149,7 @@ class Eagle3Policy:
         builder = self._builder(B)
         top = torch.log_softmax(run.extra["draft_logits"], dim=-1).topk(K, dim=-1)  # [B, K]
         frontier = builder.expand_root(roots, top.indices, top.values)
-        level_hidden = []  # the frontier states that propose each next level (for the cost-aware choice)
+        level_hidden = []  # the frontier states that propose each next level (kept for a cost-aware choice)
         n = torch.tensor(dc.lengths)  # [B] accepted draft entries
         H = run.extra["draft_hidden"].shape[-1]
         hidden = run.extra["draft_hidden"][:, None, :].expand(B, K, H)  # the frontier's parents' outputs
@@ -163,7 +163,8 @@ class Eagle3Policy:
             top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
             frontier = builder.expand(top.indices, top.values)
             parent = frontier.parent_slot.long()[:, :, None]  # [B, K, 1]
-            level_hidden.append(out.hidden)
+            if self.selector is not None:
+                level_hidden.append(out.hidden)
             hidden = out.hidden.gather(1, parent.expand(B, K, H))
             seen = seen.gather(1, parent.expand(B, K, S))
         if self.selector is not None:

@@ -71,7 +71,7 @@ def predictor_recall(trace, histories: Sequence[int] = (1, 4, 16), decay: float 
                     hist = [seq[p] for p in known[-h:]]
                     scores = history_scores(trace.ids[hist], trace.weights[hist], N, decay)
                     pred = top_experts(scores, K)  # [L, K]
-                    out[h]["node"].append((true[:, :, :, None] == pred[None, :, None, :]).any(-1).mean())
+                    out[h]["node"].append(recall(np.broadcast_to(pred, true.shape), true))
                     if kind == 2:
                         for layer in range(true.shape[1]):
                             union = np.unique(true[:, layer])
@@ -84,7 +84,7 @@ def predictor_recall(trace, histories: Sequence[int] = (1, 4, 16), decay: float 
     gen = trace.ids[trace.kind > 0]  # [R', L, K]
     counts = np.stack([np.bincount(gen[:, layer].reshape(-1), minlength=N) for layer in range(gen.shape[1])])
     popular = top_experts(counts.astype(np.float64), K)  # [L, K]
-    population = float((gen[:, :, :, None] == popular[None, :, None, :]).any(-1).mean()) if len(gen) else None
+    population = recall(np.broadcast_to(popular, gen.shape), gen) if len(gen) else None
     summary = {}
     for h in histories:
         o = out[h]
