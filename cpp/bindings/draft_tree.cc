@@ -129,26 +129,34 @@ void bind_draft_tree(py::module_& m) {
   m.def(
       "select_cost_aware",
       [](const py::object& parents, const py::object& depth, const py::object& scores, const py::object& predicted,
-         const py::object& buffer, const py::object& expert_s, const py::object& selected, float value_s,
-         float token_s, int32_t total_tokens) {
+         const py::object& predicted_p, const py::object& buffer, const py::object& expert_s,
+         const py::object& selected, double step_s, double accepted, float token_s, int32_t total_tokens) {
         SelectCostAwareArgs a;
         a.parents = to_view(parents, "parents");
         a.depth = to_view(depth, "depth");
         a.scores = to_view(scores, "scores");
         a.predicted = to_view(predicted, "predicted");
+        a.predicted_p = to_view(predicted_p, "predicted_p");
         a.buffer = to_view(buffer, "buffer");
         a.expert_s = to_view(expert_s, "expert_s");
         a.selected = to_view(selected, "selected");
-        a.value_s = value_s;
+        a.step_s = step_s;
+        a.accepted = accepted;
         a.token_s = token_s;
         a.total_tokens = total_tokens;
-        py::gil_scoped_release release;
-        return select_cost_aware(a);
+        SelectCostAwareResult r;
+        {
+          py::gil_scoped_release release;
+          r = select_cost_aware(a);
+        }
+        return py::make_tuple(r.count, r.step_s, r.accepted);
       },
       "Cost-aware verify set of one request's candidates: parents/depth int32 [C], scores float32 [C], predicted "
-      "int32 [C, L, K], buffer uint8 [L, N], expert_s float32 [L] -> selected int32 [C] (in order); returns the count.",
-      py::arg("parents"), py::arg("depth"), py::arg("scores"), py::arg("predicted"), py::arg("buffer"),
-      py::arg("expert_s"), py::arg("selected"), py::arg("value_s"), py::arg("token_s"), py::arg("total_tokens"));
+      "int32 [C, L, K], predicted_p float32 [C, L, K] or None (all 1), buffer float32 [L, N] (in/out), expert_s "
+      "float32 [L] -> selected int32 [C] (in order); returns (count, step_s, accepted) after the chosen nodes.",
+      py::arg("parents"), py::arg("depth"), py::arg("scores"), py::arg("predicted"), py::arg("predicted_p"),
+      py::arg("buffer"), py::arg("expert_s"), py::arg("selected"), py::arg("step_s"), py::arg("accepted"),
+      py::arg("token_s"), py::arg("total_tokens"));
   m.attr("kMaxDraftTopK") = kMaxDraftTopK;
   m.attr("kMaxDraftDepth") = kMaxDraftDepth;
   m.attr("kMaxDraftTreeTokens") = kMaxDraftTreeTokens;

@@ -1,22 +1,25 @@
-"""The cost-aware selection's plain-Python reference (python/moespec/spec/cost_aware.py), by hypothesis:
-ancestor-closed, EAGLE-2's selection at zero cost, a node inside the buffer costs only its token,
-and every chosen node paid for itself when it was chosen."""
+"""The cost-aware selection's plain-Python reference (python/moespec/spec/cost_aware.py) and the C++
+tree core, by hypothesis: ancestor-closed, EAGLE-2's selection at zero cost, a node inside the buffer
+costs only its token, every chosen node lowered the step's time per token when it was chosen, and the
+two implementations choose the same nodes in the same order with the same buffer, S and A."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moespec.spec.cost_aware import SelectionCosts, marginal_cost, select_cost_aware, select_cost_aware_native
+from moespec.spec.cost_aware import (SelectionCosts, add_to_buffer, marginal_cost, select_cost_aware,
+                                     select_cost_aware_native)
 
 
 @st.composite
 def candidates(draw):
     C = draw(st.integers(1, 24))
-    L, K, N = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(4, 9))
+    L, K, N = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(4, 9))
     parents, depth, scores = [], [], []
     for c in range(C):
         p = draw(st.integers(-1, c - 1)) if c else -1
@@ -25,9 +28,12 @@ def candidates(draw):
         step = float(np.float32(draw(st.floats(-3.0, 0.0, allow_nan=False))))
         scores.append((scores[p] if p >= 0 else 0.0) + step)
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
-    predicted = np.stack([np.stack([rng.choice(N, K, replace=False) for _ in range(L)]) for _ in range(C)])
-    buffer = rng.random((L, N)) < 0.3
-    return parents, depth, scores, predicted, buffer
+    repeats = draw(st.booleans())  # ids may repeat within a layer's prediction (counted once)
+    predicted = np.stack([np.stack([rng.choice(N, K, replace=repeats) for _ in range(L)]) for _ in range(C)])
+    soft = draw(st.booleans())
+    predicted_p = rng.random((C, L, K)).astype(np.float32) if soft else None
+    buffer = (rng.random((L, N)) * (rng.random((L, N)) < 0.3) if soft else rng.random((L, N)) < 0.3)
+    return parents, depth, scores, predicted, predicted_p, buffer.astype(np.float32)
 
 
 def _eagle2(parents, depth, scores, total):
@@ -35,40 +41,56 @@ def _eagle2(parents, depth, scores, total):
     return sorted(order[:total])
 
 
-@settings(max_examples=150, deadline=None)
-@given(candidates(), st.integers(1, 30), st.sampled_from([0.0, 0.125, 0.5, 1.0]), st.sampled_from([0.0, 0.0625, 0.25]))
-def test_selection_invariants(cands, total, token_s, expert_s):
-    parents, depth, scores, predicted, buffer = cands
+@settings(max_examples=200, deadline=None)
+@given(candidates(), st.integers(1, 30), st.sampled_from([0.0, 0.125, 0.5, 1.0]),
+       st.sampled_from([0.0, 0.0625, 0.25]), st.sampled_from([0.0, 0.5, 2.0, 8.0]), st.sampled_from([1.0, 2.5]))
+def test_selection_invariants(cands, total, token_s, expert_s, step_s, accepted):
+    parents, depth, scores, predicted, predicted_p, buffer = cands
+    scores = [float(np.float32(x)) for x in scores]
     L = predicted.shape[1]
-    costs = SelectionCosts(1.0, token_s, np.full(L, expert_s))
-    chosen = select_cost_aware(parents, depth, scores, predicted, buffer, costs, total)
+    costs = SelectionCosts(token_s, np.full(L, expert_s))
+    ref_buffer = buffer.copy()
+    chosen, S, A = select_cost_aware(parents, depth, scores, predicted, predicted_p, ref_buffer, costs, total,
+                                     step_s=step_s, accepted=accepted)
     assert len(chosen) <= min(total, len(parents)) and len(set(chosen)) == len(chosen)
-    seen = set()
-    buf = buffer.copy()
-    for c in chosen:  # ancestor-closed, in order, and every node paid for itself when it was chosen
+    seen, buf, s, a = set(), buffer.copy(), step_s, accepted
+    for c in chosen:  # ancestor-closed, in order, and every node lowered S / A when it was chosen
         assert parents[c] < 0 or parents[c] in seen
-        gain = math.exp(scores[c]) - marginal_cost(predicted[c], buf, costs)
+        p = None if predicted_p is None else predicted_p[c]
+        cost = marginal_cost(predicted[c], p, buf, costs)
+        gain = s / a * math.exp(scores[c]) - cost
         assert gain > 0 or (token_s == 0 and expert_s == 0)
+        if gain > 0:
+            assert (s + cost) / (a + math.exp(scores[c])) < s / a
         seen.add(c)
-        for layer in range(L):
-            buf[layer, predicted[c, layer]] = True
-    zero = SelectionCosts(1.0, 0.0, np.zeros(L))
-    assert sorted(select_cost_aware(parents, depth, scores, predicted, buffer, zero, total)) == \
-        _eagle2(parents, depth, scores, total)
-    # the C++ tree core chooses the same nodes in the same order
-    assert select_cost_aware_native(parents, depth, scores, predicted, buffer, costs, total) == chosen
-    assert select_cost_aware_native(parents, depth, scores, predicted, buffer, zero, total) == \
-        select_cost_aware(parents, depth, scores, predicted, buffer, zero, total)
+        s, a = s + cost, a + math.exp(scores[c])
+        add_to_buffer(buf, predicted[c], p)
+    assert np.array_equal(buf, ref_buffer) and math.isclose(S, s) and math.isclose(A, a)
+    zero = SelectionCosts(0.0, np.zeros(L))
+    zero_chosen = select_cost_aware(parents, depth, scores, predicted, predicted_p, buffer.copy(), zero, total,
+                                    step_s=step_s, accepted=accepted).chosen
+    assert sorted(zero_chosen) == _eagle2(parents, depth, scores, total)
+    # the C++ tree core chooses the same nodes in the same order, with the same buffer, S and A
+    native_buffer = buffer.copy()
+    got = select_cost_aware_native(parents, depth, scores, predicted, predicted_p, native_buffer, costs, total,
+                                   step_s=step_s, accepted=accepted)
+    assert got.chosen == chosen and np.array_equal(native_buffer, ref_buffer)
+    assert math.isclose(got.step_s, S, rel_tol=1e-12, abs_tol=1e-12) and math.isclose(got.accepted, A, rel_tol=1e-12)
+    assert select_cost_aware_native(parents, depth, scores, predicted, predicted_p, buffer.copy(), zero, total,
+                                    step_s=step_s, accepted=accepted).chosen == zero_chosen
 
 
 def test_a_node_inside_the_buffer_costs_only_its_token():
     predicted = np.array([[1, 3], [0, 2]])
-    buffer = np.zeros((2, 5), dtype=bool)
-    buffer[0, [1, 3]] = buffer[1, [0, 2, 4]] = True
-    costs = SelectionCosts(1.0, 0.25, np.array([0.5, 2.0]))
-    assert marginal_cost(predicted, buffer, costs) == 0.25
-    buffer[1, 2] = False
-    assert marginal_cost(predicted, buffer, costs) == 0.25 + 2.0
+    buffer = np.zeros((2, 5), dtype=np.float32)
+    buffer[0, [1, 3]] = buffer[1, [0, 2, 4]] = 1.0
+    costs = SelectionCosts(0.25, np.array([0.5, 2.0]))
+    assert marginal_cost(predicted, None, buffer, costs) == 0.25
+    buffer[1, 2] = 0.0
+    assert marginal_cost(predicted, None, buffer, costs) == 0.25 + 2.0
+    # soft: an expert predicted with probability 0.5, already read with probability 0.5, costs a quarter
+    buffer[1, 2] = 0.5
+    assert marginal_cost(predicted, np.array([[1.0, 1.0], [1.0, 0.5]], np.float32), buffer, costs) == 0.25 + 0.5
 
 
 def test_cheap_branch_wins_over_a_likelier_expensive_one():
@@ -76,26 +98,62 @@ def test_cheap_branch_wins_over_a_likelier_expensive_one():
     one node and experts priced above the difference in value, the cost-aware rule takes the cheap one."""
     parents, depth, scores = [-1, -1], [1, 1], [math.log(0.6), math.log(0.5)]
     predicted = np.array([[[3, 4]], [[0, 1]]])
-    buffer = np.zeros((1, 5), dtype=bool)
-    buffer[0, [0, 1]] = True
-    costs = SelectionCosts(1.0, 0.0, np.array([0.1]))
-    assert select_cost_aware(parents, depth, scores, predicted, buffer, costs, 1) == [1]
-    assert select_cost_aware(parents, depth, scores, predicted, buffer, SelectionCosts(1.0, 0.0, np.zeros(1)), 1) == [0]
+    buffer = np.zeros((1, 5), dtype=np.float32)
+    buffer[0, [0, 1]] = 1.0
+
+    def pick(costs):
+        return select_cost_aware(parents, depth, scores, predicted, None, buffer.copy(), costs, 1, step_s=1.0).chosen
+
+    assert pick(SelectionCosts(0.0, np.array([0.1]))) == [1]
+    assert pick(SelectionCosts(0.0, np.zeros(1))) == [0]
+
+
+def test_a_dearer_step_keeps_more_nodes():
+    """The value of an accepted token is the step's time per token S / A: the same chain of nodes
+    (acceptance 0.8, 0.64, 0.51, ...; each one new expert at 0.1) is kept deeper when the step costs more."""
+    C = 6
+    parents, depth = [-1] + list(range(C - 1)), list(range(1, C + 1))
+    scores = [math.log(0.8) * (d) for d in depth]
+    predicted = np.arange(C).reshape(C, 1, 1)
+    costs = SelectionCosts(0.0, np.array([0.1]))
+
+    def kept(step_s):
+        buffer = np.zeros((1, C), dtype=np.float32)
+        return len(select_cost_aware(parents, depth, scores, predicted, None, buffer, costs, C, step_s=step_s).chosen)
+
+    assert kept(0.05) == 0 and 0 < kept(0.2) < kept(1.0) <= C
+    assert kept(1.0) == len(select_cost_aware_native(parents, depth, scores, predicted, None,
+                                                     np.zeros((1, C), np.float32), costs, C, step_s=1.0).chosen)
 
 
 def test_native_selection_names_bad_arguments():
-    import pytest
+    costs = SelectionCosts(0.0, np.zeros(1))
 
-    costs = SelectionCosts(1.0, 0.0, np.zeros(1))
-    buffer = np.zeros((1, 4), dtype=bool)
+    def call(parents, scores, predicted, total=1, predicted_p=None, buffer=None, **kw):
+        buffer = np.zeros((1, 4), dtype=np.float32) if buffer is None else buffer
+        return select_cost_aware_native(parents, [1] * len(parents), scores, predicted, predicted_p, buffer, costs,
+                                        total, **{"step_s": 1.0, **kw})
+
     with pytest.raises(ValueError, match="parents"):
-        select_cost_aware_native([1, -1], [1, 1], [0.0, 0.0], np.zeros((2, 1, 1)), buffer, costs, 2)
+        call([1, -1], [0.0, 0.0], np.zeros((2, 1, 1)), 2)
     with pytest.raises(ValueError, match="predicted"):
-        select_cost_aware_native([-1], [1], [0.0], np.full((1, 1, 1), 4), buffer, costs, 1)
+        call([-1], [0.0], np.full((1, 1, 1), 4))
     with pytest.raises(ValueError, match="total_tokens"):
-        select_cost_aware_native([-1], [1], [0.0], np.zeros((1, 1, 1)), buffer, costs, 0)
+        call([-1], [0.0], np.zeros((1, 1, 1)), 0)
     with pytest.raises(ValueError, match="scores"):
-        select_cost_aware_native([-1], [1], [float("nan")], np.zeros((1, 1, 1)), buffer, costs, 1)
+        call([-1], [float("nan")], np.zeros((1, 1, 1)))
+    with pytest.raises(ValueError, match="predicted_p"):
+        call([-1], [0.0], np.zeros((1, 1, 1)), predicted_p=np.full((1, 1, 1), 1.5, np.float32))
+    with pytest.raises(ValueError, match="predicted_p"):
+        call([-1], [0.0], np.zeros((1, 1, 1)), predicted_p=np.ones((1, 1, 2), np.float32))
+    with pytest.raises(ValueError, match="buffer"):
+        call([-1], [0.0], np.zeros((1, 1, 1)), buffer=np.full((1, 4), 2.0, np.float32))
+    with pytest.raises(ValueError, match="buffer"):
+        call([-1], [0.0], np.zeros((1, 1, 1)), buffer=np.zeros((1, 4), dtype=bool))
+    with pytest.raises(ValueError, match="accepted"):
+        call([-1], [0.0], np.zeros((1, 1, 1)), accepted=0.0)
+    with pytest.raises(ValueError, match="step_s"):
+        call([-1], [0.0], np.zeros((1, 1, 1)), step_s=-1.0)
 
 
 # ---- the eco policies --------------------------------------------------------------------------------
@@ -117,11 +175,12 @@ def test_tree_from_selection_equals_eagle2s_tree_at_zero_cost():
         top = torch.log_softmax(torch.randn(B, K, 50, generator=gen), -1).topk(K)
         builder.expand(top.indices, top.values)
     want = [t.clone() for t in builder.finalize()]
-    zero = SelectionCosts(1.0, 0.0, np.zeros(1))
+    zero = SelectionCosts(0.0, np.zeros(1))
     for b in range(B):
         c = builder.candidates(b)
         chosen = select_cost_aware_native(c.parents.numpy(), c.depth.numpy(), c.scores.numpy(),
-                                          np.zeros((len(c.tokens), 1, 1)), np.zeros((1, 2), dtype=bool), zero, M)
+                                          np.zeros((len(c.tokens), 1, 1)), None, np.zeros((1, 2), np.float32), zero,
+                                          M, step_s=1.0).chosen
         got = tree_from_selection([11, 12][b], c, chosen)
         for name in ("tokens", "parents", "depth", "mask_words", "paths", "candidates"):
             assert torch.equal(getattr(got, name), getattr(want[b], name)), name

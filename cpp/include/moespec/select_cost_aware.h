@@ -2,17 +2,24 @@
 //
 // DESIGN.md "Cost-aware tree"; the plain-Python reference is python/moespec/spec/cost_aware.py
 // (select_cost_aware), which tests/python/test_cost_aware.py holds this against. Over one
-// request's EAGLE-2 candidates (DraftTreeBuilder::candidates), with B_l the expert buffer of MoE
-// layer l (initially `buffer`: the experts the verify pass already pays for) and E_l(c) the
-// predicted experts of candidate c:
+// request's EAGLE-2 candidates (DraftTreeBuilder::candidates), with B[l, e] the expert buffer of
+// MoE layer l (the probability that the verify pass already reads expert e; 0/1 for hard sets),
+// a candidate's predicted experts e_clk with probabilities p_clk (1 when `predicted_p` is empty),
+// a(c) = exp(score_c) (its path's acceptance probability, EAGLE-2's estimate) and the step so far
+// costing S seconds for A expected emitted tokens:
 //
-//   gain(c) = value_s * exp(score_c) - (token_s + sum_l expert_s[l] * |E_l(c) \ B_l|)
+//   cost(c) = token_s + sum_l expert_s[l] * sum_k p_clk * (1 - B[l, e_clk])   (expected new experts)
+//   gain(c) = (S / A) * a(c) - cost(c)
 //
 // repeatedly the frontier candidate (parent = the root or chosen) of largest gain is chosen (ties:
-// score desc, depth asc, index asc: EAGLE-2's order), its experts join the buffer, until
-// total_tokens are chosen, none is left, or the best gain is <= 0 while some cost is > 0 (with all
-// costs 0 it is EAGLE-2's selection). The result is ancestor-closed and becomes the verify tree through
+// score desc, depth asc, index asc: EAGLE-2's order): S += cost(c), A += a(c), and its experts join
+// the buffer (B <- 1 - (1 - B)(1 - p)), until total_tokens are chosen, none is left, or the best
+// gain is <= 0 while some cost is > 0 (with all costs 0 it is EAGLE-2's selection). S / A is the
+// step's time per emitted token: a node is kept while it lowers it (its expected accepted token
+// saves more time than it adds). The result is ancestor-closed and becomes the verify tree through
 // DraftTreeBuilder::finalize_selected (C++) or moespec.spec.tree.tree_from_selection (the eco policies).
+// A batch is chosen request by request with one buffer, S and A carried from one call to the next
+// (the verify pass reads the batch's union and emits the batch's tokens).
 //
 // Dimensions: C candidates, L MoE layers, K predicted experts per candidate, N experts.
 #pragma once
@@ -24,20 +31,27 @@
 namespace moespec {
 
 struct SelectCostAwareArgs {
-  TensorView parents;    // [C] int32: candidate index of the parent, -1 = the root; parents precede children
-  TensorView depth;      // [C] int32 >= 1
-  TensorView scores;     // [C] float32: cumulative draft log-probs (finite or -inf)
-  TensorView predicted;  // [C, L, K] int32: predicted expert ids in [0, N)
-  TensorView buffer;     // [L, N] uint8: 1 = already paid for (read only)
-  TensorView expert_s;   // [L] float32 >= 0: time of one more expert of layer l
-  TensorView selected;   // out [C] int32: the chosen candidates in the order chosen (the rest untouched)
-  float value_s = 0.0f;  // >= 0: time one accepted token saves
-  float token_s = 0.0f;  // >= 0: verify time of one more token besides new experts
+  TensorView parents;      // [C] int32: candidate index of the parent, -1 = the root; parents precede children
+  TensorView depth;        // [C] int32 >= 1
+  TensorView scores;       // [C] float32: cumulative draft log-probs (finite or -inf)
+  TensorView predicted;    // [C, L, K] int32: predicted expert ids in [0, N); a repeated id counts once
+  TensorView predicted_p;  // [C, L, K] float32 in [0, 1], or undefined (a default view): all 1
+  TensorView buffer;       // in/out [L, N] float32 in [0, 1]: the buffer; on return it holds the chosen nodes' experts
+  TensorView expert_s;     // [L] float32 >= 0: time of one more expert of layer l
+  TensorView selected;     // out [C] int32: the chosen candidates in the order chosen (the rest untouched)
+  double step_s = 0.0;     // >= 0: S before this request's candidates (draft + verify of the roots + earlier requests)
+  double accepted = 1.0;   // > 0: A before this request's candidates (each request's root emits its bonus token)
+  float token_s = 0.0f;    // >= 0: verify time of one more token besides new experts
   int32_t total_tokens = 1;  // >= 1
 };
 
-// Returns how many candidates were chosen. Throws Error(kInvalidArgument) naming the argument.
-// Allocates O(L N + C) scratch per call (bounded by the views' sizes).
-int64_t select_cost_aware(const SelectCostAwareArgs& args);
+struct SelectCostAwareResult {
+  int64_t count = 0;      // candidates chosen (selected[:count])
+  double step_s = 0.0;    // S after them
+  double accepted = 0.0;  // A after them
+};
+
+// Throws Error(kInvalidArgument) naming the argument. Allocates O(C) scratch per call.
+SelectCostAwareResult select_cost_aware(const SelectCostAwareArgs& args);
 
 }  // namespace moespec

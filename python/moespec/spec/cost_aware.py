@@ -1,123 +1,175 @@
 """Cost-aware draft-tree selection (EcoSpec; DESIGN.md "Cost-aware tree"): the plain-Python reference.
 
 After EAGLE-2's expansion, the verify set is chosen node by node, ancestor-closed, by value against
-marginal cost. With a candidate c's cumulative draft log-probability s_c (exp(s_c) estimates the
-probability that its whole path is accepted, EAGLE-2's assumption), its predicted experts E_l(c)
-per MoE layer and the dynamic expert buffer B_l (the experts the verify pass already pays for:
-the root's, then those of every node chosen so far),
+marginal cost. With a candidate c's cumulative draft log-probability s_c (a(c) = exp(s_c) estimates
+the probability that its whole path is accepted, EAGLE-2's assumption), its predicted experts e_clk
+per MoE layer l with probabilities p_clk (1 for hard sets), the dynamic expert buffer B[l, e] (the
+probability that the verify pass already reads expert e: the roots' predicted experts, then those
+of every node chosen so far, over the batch) and the step so far costing S seconds for A expected
+emitted tokens:
 
-    gain(c) = value_s * exp(s_c) - (token_s + sum_l expert_s[l] * |E_l(c) \\ B_l|)
+    cost(c) = token_s + sum_l expert_s[l] * sum_k p_clk * (1 - B[l, e_clk])   (expected new experts)
+    gain(c) = (S / A) * a(c) - cost(c)
 
 the frontier candidate (its parent is the root or chosen) of largest gain is added (ties: EAGLE-2's
-order, score desc, depth asc, index asc), its experts join the buffer, until the best gain is <= 0
-or ``total_tokens`` nodes are chosen. ``value_s`` is the time one accepted token saves (a decode
-step), ``token_s`` the verify time one more token costs besides new experts, ``expert_s[l]`` the
-time to read one more expert of layer l (:func:`selection_costs` prices them with the cost model).
-With zero costs it is exactly EAGLE-2's selection (the best ``total_tokens`` candidates: a child
-never scores above its parent, so the best remaining candidate is always on the frontier).
+order, score desc, depth asc, index asc): S += cost(c), A += a(c), B <- 1 - (1 - B)(1 - p) on its
+experts; until the best gain is <= 0 or ``total_tokens`` nodes are chosen. S / A is the step's time
+per emitted token, so a node is kept while it lowers it: its expected accepted token saves more than
+it costs. ``token_s`` is the verify time one more token costs besides new experts, ``expert_s[l]``
+the time to read one more expert of layer l (:class:`StepPricer` prices them and S, the draft plus
+a verify of the roots alone, with the cost model). With zero costs it is exactly EAGLE-2's selection
+(the best ``total_tokens`` candidates: a child never scores above its parent, so the best remaining
+candidate is always on the frontier).
 
-The C++ tree core will implement the same rule beside EAGLE-2's; this reference is what it is tested
-against. Dimensions: C candidates, L MoE layers, K predicted experts per node, N experts.
+The C++ tree core (cpp/include/moespec/select_cost_aware.h) implements the same rule; this reference
+is what it is tested against. Dimensions: C candidates, L MoE layers, K predicted experts per node,
+N experts, B requests.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
 
 @dataclass(frozen=True)
 class SelectionCosts:
-    value_s: float  # time one accepted token saves
     token_s: float  # verify time of one more token, besides new experts
     expert_s: np.ndarray  # [L]: time of one more expert per layer
 
     def __post_init__(self) -> None:
-        if self.value_s < 0 or self.token_s < 0 or (np.asarray(self.expert_s) < 0).any():
+        if self.token_s < 0 or (np.asarray(self.expert_s) < 0).any():
             raise ValueError("selection costs must be >= 0")
 
 
-def marginal_cost(predicted: np.ndarray, buffer: np.ndarray, costs: SelectionCosts) -> float:
-    """token_s + sum_l expert_s[l] * (experts of ``predicted`` [L, K] not in ``buffer`` [L, N] bool)."""
-    L = predicted.shape[0]
-    new = np.array([len(set(predicted[l].tolist()) - set(np.flatnonzero(buffer[l]).tolist())) for l in range(L)])
-    return float(costs.token_s + (np.asarray(costs.expert_s) * new).sum())
+class Selection(NamedTuple):
+    chosen: list[int]  # candidate indices in the order chosen
+    step_s: float  # S after them
+    accepted: float  # A after them
+
+
+def _first_slots(ids: np.ndarray) -> list[int]:
+    """Slots of one layer's prediction whose id did not occur earlier (a repeated id counts once)."""
+    return [k for k in range(len(ids)) if ids[k] not in ids[:k]]
+
+
+def marginal_cost(predicted: np.ndarray, predicted_p: Optional[np.ndarray], buffer: np.ndarray,
+                  costs: SelectionCosts) -> float:
+    """cost(c) of the module docstring: predicted [L, K] ids, predicted_p [L, K] or None (all 1),
+    buffer [L, N] float32."""
+    cost = float(costs.token_s)
+    for layer in range(predicted.shape[0]):
+        fresh = 0.0
+        for k in _first_slots(predicted[layer]):
+            p = 1.0 if predicted_p is None else float(predicted_p[layer, k])
+            fresh += p * (1.0 - float(buffer[layer, predicted[layer, k]]))
+        cost += float(np.float32(costs.expert_s[layer])) * fresh
+    return cost
+
+
+def add_to_buffer(buffer: np.ndarray, predicted: np.ndarray, predicted_p: Optional[np.ndarray]) -> None:
+    """B <- 1 - (1 - B)(1 - p) on one node's predicted experts (float32, in place)."""
+    one = np.float32(1.0)
+    for layer in range(predicted.shape[0]):
+        for k in _first_slots(predicted[layer]):
+            p = one if predicted_p is None else np.float32(predicted_p[layer, k])
+            e = predicted[layer, k]
+            buffer[layer, e] = one - (one - buffer[layer, e]) * (one - p)
 
 
 def select_cost_aware(parents: Sequence[int], depth: Sequence[int], scores: Sequence[float], predicted: np.ndarray,
-                      buffer: np.ndarray, costs: SelectionCosts, total_tokens: int) -> list[int]:
-    """The chosen candidate indices, in the order chosen.
-
-    parents [C]: candidate index of the parent, -1 for the root's children; depth [C]; scores [C]
-    cumulative log-probs; predicted [C, L, K] expert ids; buffer [L, N] bool, the root's experts
-    (copied, not changed)."""
+                      predicted_p: Optional[np.ndarray], buffer: np.ndarray, costs: SelectionCosts,
+                      total_tokens: int, *, step_s: float, accepted: float = 1.0) -> Selection:
+    """One request's choice (module docstring). parents [C]: candidate index of the parent, -1 for
+    the root's children; depth [C]; scores [C] cumulative log-probs; predicted [C, L, K] expert ids;
+    predicted_p [C, L, K] or None; buffer [L, N] float32, updated in place with the chosen nodes."""
     C = len(parents)
     if not (len(depth) == len(scores) == C == predicted.shape[0]):
         raise ValueError("select_cost_aware: parents, depth, scores and predicted need one row per candidate")
     if total_tokens < 1:
         raise ValueError(f"select_cost_aware: total_tokens must be >= 1, got {total_tokens}")
-    buf = np.array(buffer, dtype=bool, copy=True)
+    if step_s < 0 or not (accepted > 0 and math.isfinite(accepted)):
+        raise ValueError(f"select_cost_aware: need step_s >= 0 and a finite accepted > 0, got {step_s}, {accepted}")
+    any_cost = costs.token_s > 0 or bool(np.asarray(costs.expert_s).any())
+    scores = [float(np.float32(s)) for s in scores]  # the contract's float32 scores
     chosen: list[int] = []
     is_chosen = np.zeros(C, dtype=bool)
     while len(chosen) < min(total_tokens, C):
-        best, best_key = -1, None
+        rate = step_s / accepted
+        best, best_key, best_cost, best_accept = -1, None, 0.0, 0.0
         for c in range(C):
             if is_chosen[c] or (parents[c] >= 0 and not is_chosen[parents[c]]):
                 continue
-            value = costs.value_s * math.exp(scores[c]) if math.isfinite(scores[c]) else 0.0
-            gain = value - marginal_cost(predicted[c], buf, costs)
-            key = (gain, scores[c], -depth[c], -c)
+            cost = marginal_cost(predicted[c], None if predicted_p is None else predicted_p[c], buffer, costs)
+            accept = math.exp(float(scores[c])) if math.isfinite(scores[c]) else 0.0
+            key = (rate * accept - cost, float(scores[c]), -depth[c], -c)
             if best_key is None or key > best_key:
-                best, best_key = c, key
-        if best < 0 or (best_key[0] <= 0 and (costs.token_s > 0 or np.asarray(costs.expert_s).any())):
+                best, best_key, best_cost, best_accept = c, key, cost, accept
+        if best < 0 or (best_key[0] <= 0 and any_cost):
             break
         chosen.append(best)
         is_chosen[best] = True
-        for layer, experts in enumerate(predicted[best]):
-            buf[layer, experts] = True
-    return chosen
+        step_s += best_cost
+        accepted += best_accept
+        add_to_buffer(buffer, predicted[best], None if predicted_p is None else predicted_p[best])
+    return Selection(chosen, step_s, accepted)
 
 
-def select_cost_aware_native(parents, depth, scores, predicted, buffer, costs: SelectionCosts,
-                             total_tokens: int) -> list[int]:
+def select_cost_aware_native(parents, depth, scores, predicted, predicted_p, buffer: np.ndarray,
+                             costs: SelectionCosts, total_tokens: int, *, step_s: float,
+                             accepted: float = 1.0) -> Selection:
     """:func:`select_cost_aware` in the C++ tree core (``moespec._native.select_cost_aware``,
-    cpp/include/moespec/select_cost_aware.h): same arguments, same result."""
+    cpp/include/moespec/select_cost_aware.h): same arguments, same result, same buffer update
+    (``buffer`` must be a C-contiguous float32 array: it is updated in place)."""
     import torch
 
     from moespec._loader import native
     from moespec._tensor import view
 
+    if not (isinstance(buffer, np.ndarray) and buffer.dtype == np.float32 and buffer.flags.c_contiguous):
+        raise ValueError("select_cost_aware_native: buffer must be a C-contiguous float32 numpy array (updated in place)")
     parents_t = torch.as_tensor(np.asarray(parents), dtype=torch.int32).contiguous()  # [C]
     depth_t = torch.as_tensor(np.asarray(depth), dtype=torch.int32).contiguous()  # [C]
     scores_t = torch.as_tensor(np.asarray(scores), dtype=torch.float32).contiguous()  # [C]
     predicted_t = torch.as_tensor(np.asarray(predicted), dtype=torch.int32).contiguous()  # [C, L, K]
-    buffer_t = torch.as_tensor(np.asarray(buffer), dtype=torch.uint8).contiguous()  # [L, N]
+    prob_t = None if predicted_p is None else torch.as_tensor(np.asarray(predicted_p), dtype=torch.float32).contiguous()
+    buffer_t = torch.from_numpy(buffer)  # [L, N], shares memory
     expert_t = torch.as_tensor(np.asarray(costs.expert_s), dtype=torch.float32).contiguous()  # [L]
     out = torch.empty(len(parents_t), dtype=torch.int32)  # [C]
-    n = native().select_cost_aware(view(parents_t, "parents"), view(depth_t, "depth"), view(scores_t, "scores"),
-                                   view(predicted_t, "predicted"), view(buffer_t, "buffer"),
-                                   view(expert_t, "expert_s"), view(out, "selected"), float(costs.value_s),
-                                   float(costs.token_s), int(total_tokens))
-    return out[:n].tolist()
+    n, step, acc = native().select_cost_aware(
+        view(parents_t, "parents"), view(depth_t, "depth"), view(scores_t, "scores"), view(predicted_t, "predicted"),
+        None if prob_t is None else view(prob_t, "predicted_p"), view(buffer_t, "buffer"), view(expert_t, "expert_s"),
+        view(out, "selected"), float(step_s), float(accepted), float(costs.token_s), int(total_tokens))
+    return Selection(out[:n].tolist(), step, acc)
 
 
-def selection_costs(shape, hw, *, tokens: int, context: int, bytes_per_weight: float = 2.0) -> SelectionCosts:
-    """Prices for a verify of about ``tokens`` tokens after ``context`` cached ones on ``hw``, from
-    the cost model (:mod:`moespec.cost.step_cost`): value = a decode step's time with top-k experts
-    per layer; token = the dense weights' extra time for one more token plus the per-token cost;
-    expert = one expert read at one token."""
-    from moespec.cost.step_cost import step_cost
+class StepPricer:
+    """The cost model's prices for the selection (:mod:`moespec.cost.step_cost` on a hardware
+    profile): ``costs`` (token: the dense weights' extra time for one more verify token plus the
+    per-token cost; expert: one expert read at one token) and ``base_s`` (S before any candidate:
+    the draft of ``depth`` levels plus a verify of the B roots reading the buffer's experts)."""
 
-    decode = step_cost(shape, hw, tokens=1, requests=1, context=context, unique=float(shape.top_k),
-                       bytes_per_weight=bytes_per_weight)
-    dense = shape.dense_params * bytes_per_weight
-    token = (hw.matrix_seconds(dense, tokens + 1, bytes_per_weight) - hw.matrix_seconds(dense, tokens, bytes_per_weight)
-             + hw.token_layer_us * 1e-6 * shape.layers)
-    expert = hw.expert_seconds(shape.expert_params * bytes_per_weight, 1.0, bytes_per_weight)
-    return SelectionCosts(decode.seconds, max(token, 0.0), np.full(shape.moe_layers, expert))
+    def __init__(self, shape, hw, *, depth: int, top_k: int, tokens: int, context: int = 256,
+                 bytes_per_weight: float = 2.0):
+        self.shape, self.hw, self.depth, self.top_k = shape, hw, depth, top_k
+        self.context, self.bytes_per_weight = context, bytes_per_weight
+        dense = shape.dense_params * bytes_per_weight
+        token = (hw.matrix_seconds(dense, tokens + 1, bytes_per_weight) - hw.matrix_seconds(dense, tokens, bytes_per_weight)
+                 + hw.token_layer_us * 1e-6 * shape.layers)
+        expert = hw.expert_seconds(shape.expert_params * bytes_per_weight, 1.0, bytes_per_weight)
+        self.costs = SelectionCosts(max(token, 0.0), np.full(shape.moe_layers, expert))
+
+    def base_s(self, requests: int, buffer: np.ndarray) -> float:
+        from moespec.cost.step_cost import draft_seconds, step_cost
+
+        unique = np.clip(buffer.sum(axis=1), 1.0, self.shape.num_experts)  # [L] expected experts of the roots
+        verify = step_cost(self.shape, self.hw, tokens=requests, requests=requests, context=self.context,
+                           unique=unique, bytes_per_weight=self.bytes_per_weight)
+        return verify.seconds + draft_seconds(self.shape, self.hw, depth=self.depth, top_k=self.top_k,
+                                              requests=requests, bytes_per_weight=self.bytes_per_weight)
 
 
 # ---- the selector of the eco policies ------------------------------------------------------------
@@ -138,14 +190,19 @@ def default_hardware():
 
 class CostAwareTrees:
     """Chooses each request's verify set after EAGLE-2's expansion (the ``eco`` policies): every
-    candidate's experts predicted from its parent's draft hidden state and its token, the batch's
-    buffer started with each root's predicted experts, then :func:`select_cost_aware_native`
-    request by request (the buffer is the batch's union: one verify pass reads it)."""
+    candidate's ``keep`` likeliest experts per layer and their probabilities predicted from its
+    parent's draft hidden state and its token, the batch's buffer started with each root's predicted
+    experts, S with :meth:`StepPricer.base_s` and A = B (each root's bonus token), then
+    :func:`select_cost_aware_native` request by request, carrying buffer, S and A (one verify pass
+    reads the batch's union and emits the batch's tokens). ``predicted_unique`` keeps the last
+    step's expected unique experts per layer (sum of the buffer), for the expert statistics."""
 
-    def __init__(self, target, predictor, costs: SelectionCosts, total_tokens: int):
+    def __init__(self, target, predictor, pricer: StepPricer, total_tokens: int, keep: Optional[int] = None):
         predictor.check_target(target.config)
-        self.target, self.predictor, self.costs, self.total_tokens = target, predictor, costs, total_tokens
-        self.top_k = target.config.moe.top_k
+        self.target, self.predictor, self.pricer, self.total_tokens = target, predictor, pricer, total_tokens
+        moe = target.config.moe
+        self.keep = keep or min(moe.num_experts, 2 * moe.top_k)
+        self.predicted_unique: Optional[np.ndarray] = None  # [L] of the last step
 
     def trees(self, builder, roots: Sequence[int], root_hidden, level_hidden: Sequence) -> list:
         """roots [B]; root_hidden [B, H]: the draft state that proposed level 1; level_hidden[i]
@@ -157,11 +214,11 @@ class CostAwareTrees:
         embed = self.target.weights.embed
         B = len(roots)
         L, N = self.predictor.num_layers, self.predictor.num_experts
-        root_pred = self.predictor.predict(root_hidden, embed[torch.tensor(roots)], self.top_k)  # [B, L, k]
-        buffer = np.zeros((L, N), dtype=bool)
+        root_ids, root_p = self.predictor.predict_p(root_hidden, embed[torch.tensor(roots)], self.keep)  # [B, L, M]
+        buffer = np.zeros((L, N), dtype=np.float32)
         for b in range(B):
-            for layer in range(L):
-                buffer[layer, root_pred[b, layer].numpy()] = True
+            add_to_buffer(buffer, root_ids[b].numpy(), root_p[b].numpy())
+        step_s, accepted = self.pricer.base_s(B, buffer), float(B)
         out = []
         for b in range(B):
             cands = builder.candidates(b)
@@ -175,11 +232,10 @@ class CostAwareTrees:
                 parent_h.append(h[b].repeat_interleave(K, dim=0)[: C - start])  # [K K, H]
                 start += K * K
             parent = torch.cat(parent_h)[:C]  # [C, H]
-            predicted = self.predictor.predict(parent, embed[cands.tokens], self.top_k).numpy().astype(np.int32)
-            chosen = select_cost_aware_native(cands.parents.numpy(), cands.depth.numpy(), cands.scores.numpy(),
-                                              predicted, buffer, self.costs, self.total_tokens)
-            for c in chosen:
-                for layer in range(L):
-                    buffer[layer, predicted[c, layer]] = True
+            ids, prob = self.predictor.predict_p(parent, embed[cands.tokens], self.keep)  # [C, L, M]
+            chosen, step_s, accepted = select_cost_aware_native(
+                cands.parents.numpy(), cands.depth.numpy(), cands.scores.numpy(), ids.numpy().astype(np.int32),
+                prob.numpy(), buffer, self.pricer.costs, self.total_tokens, step_s=step_s, accepted=accepted)
             out.append(tree_from_selection(int(roots[b]), cands, chosen))
+        self.predicted_unique = buffer.sum(axis=1)
         return out

@@ -53,7 +53,7 @@ class Eagle3Policy:
         self.selector = None  # the cost-aware verify-set choice of the eco policies (None: EAGLE-2's)
         if config.spec.selector == "cost_aware":
             from moespec.cost.step_cost import shape_from_config
-            from moespec.spec.cost_aware import CostAwareTrees, default_hardware, selection_costs
+            from moespec.spec.cost_aware import CostAwareTrees, StepPricer, default_hardware
 
             if target.config.moe is None:
                 raise ValueError(f"policy {config.policy!r}: the target ({target.config.architecture}) is dense: a "
@@ -62,9 +62,9 @@ class Eagle3Policy:
                 raise ValueError(f"policy {config.policy!r} needs an expert predictor: an engine built with "
                                  "`moespec build ... --predictor <dir>` (moespec analyze predictor --out <dir>), or "
                                  "LLM(..., predictor=ExpertPredictor.load(<dir>))")
-            costs = selection_costs(shape_from_config(target.config), default_hardware(),
-                                    tokens=config.total_tokens + 1, context=256)
-            self.selector = CostAwareTrees(target, predictor, costs, config.total_tokens)
+            pricer = StepPricer(shape_from_config(target.config), default_hardware(), depth=config.depth,
+                                top_k=config.top_k, tokens=config.total_tokens + 1)
+            self.selector = CostAwareTrees(target, predictor, pricer, config.total_tokens)
 
     @property
     def max_tree_nodes(self) -> int:

@@ -149,6 +149,13 @@ class ExpertPredictor:
         """The k best experts per layer: int64 [C, L, k]."""
         return self.scores(parent_hidden, token_embed).topk(k, dim=-1).indices
 
+    def predict_p(self, parent_hidden, token_embed, k: int):
+        """The k likeliest experts per layer and the probability that each is among the token's
+        routed experts (the sigmoid of its logit, which the multi-label loss fits): int64 and
+        float32 [C, L, k]."""
+        top = self.scores(parent_hidden, token_embed).topk(k, dim=-1)
+        return top.indices, top.values.sigmoid()
+
     def check_target(self, config) -> None:
         """ValueError unless this predictor was trained for a target of ``config``'s routing."""
         moe = config.moe
