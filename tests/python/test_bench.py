@@ -19,6 +19,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -152,6 +153,20 @@ def test_expert_statistics():
                              generated_tokens=5, bytes_per_expert=100, moe_layers=3, experts_per_layer=8, top_k=2)
     assert ar["expert_bytes_per_output_token"] == 600.0  # 3 layers x top_k 2 x 100 bytes: exact at batch 1
     assert ar["verify_steps"] == 0 and ar["estimated_steps"] == 5 and ar["kept_unique_per_layer_percentiles"] is None
+    assert x["predicted_unique_per_layer"] is None and x["predicted_unique_error"] is None
+
+
+def test_expert_statistics_of_a_cost_aware_tree_compare_predicted_with_natural():
+    """The eco selector's expected unique experts per step ride along the measured steps: their
+    mean, and the mean absolute relative error against the natural count over (layer, step)."""
+    natural = [_stats([6, 8], [6, 8], [0, 0], [0, 0]), _stats([4, 4], [4, 4], [0, 0], [0, 0])]
+    guess = [np.array([3.0, 8.0]), np.array([5.0, 4.0])]
+    steps = m.batch_expert_steps([natural, natural[:1]], [2, 1], top_k=2, num_experts=8, moe_layers=2,
+                                 predicted=[guess, guess[:1]])
+    assert [s.predicted for s in steps] == [(3.0, 8.0), (5.0, 4.0)]
+    x = m.expert_statistics(steps, generated_tokens=4, bytes_per_expert=1, moe_layers=2, experts_per_layer=8, top_k=2)
+    assert x["predicted_unique_per_layer"] == pytest.approx(5.0)
+    assert x["predicted_unique_error"] == pytest.approx((3 / 6 + 0 + 1 / 4 + 0) / 4)
 
 
 def test_agreement_and_pareto_front():

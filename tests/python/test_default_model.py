@@ -330,6 +330,10 @@ def test_engine_is_current_reads_the_manifest(tmp_path):
     spec = {"policy": "eagle3", "depth": 3, "top_k": 2, "total_tokens": 6}
     (folder / "manifest.json").write_text(json.dumps({"provenance": prov, "speculation": spec}))
     assert pl.engine_is_current(folder, tmp_path / "moe", tmp_path / "draft", tree)
+    assert not pl.engine_is_current(folder, tmp_path / "moe", tmp_path / "draft", tree, tmp_path / "predictor")
+    prov["predictor_source"] = {"path": str(tmp_path / "predictor")}
+    (folder / "manifest.json").write_text(json.dumps({"provenance": prov, "speculation": spec}))
+    assert pl.engine_is_current(folder, tmp_path / "moe", tmp_path / "draft", tree, tmp_path / "predictor")
 
 
 def test_a_shipped_head_is_checked_and_copied(tmp_path):
@@ -352,13 +356,36 @@ def test_a_shipped_head_is_checked_and_copied(tmp_path):
     assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
     assert json.loads((folder / "config.json").read_text())["moespec"] == {"steps": 5}  # no machine paths
     save_file({"fc.weight": torch.zeros(4, 6)}, str(folder / "model.safetensors"))  # tampered
-    with pytest.raises(ValueError, match="not the shipped head of recipe abc"):
+    with pytest.raises(ValueError, match="not the shipped draft-abc"):
         pl.shipped_head("abc", heads)
 
 
+def test_a_shipped_predictor_is_checked_copied_and_loads_in_fp32(tmp_path):
+    """The expert predictor ships beside the head: bf16 weights, no machine paths, its own index entry;
+    it loads for computing in fp32; a tampered copy is refused."""
+    from safetensors.torch import save_file
+
+    from moespec.default_model import pipeline as pl
+    from moespec.spec.expert_predictor import ExpertPredictor
+
+    heads = tmp_path / "heads"
+    w = torch.randn(2, 5, 6)
+    ExpertPredictor(w, torch.zeros(2, 5), torch.zeros(6), torch.ones(6), {"moe": "/here"}).save(tmp_path / "p", "fp32")
+    assert pl.shipped_predictor("abc", heads) is None
+    folder = pl.ship_predictor(tmp_path / "p", "abc", heads)
+    assert pl.shipped_predictor("abc", heads) == folder and pl.shipped_head("abc", heads) is None
+    back = ExpertPredictor.load(folder)
+    assert back.weight.dtype == torch.float32 and torch.equal(back.weight, w.bfloat16().float())
+    assert "moe" not in back.meta and back.meta["dtype"] == "bf16"
+    save_file({"weight": torch.zeros(2, 5, 6)}, str(folder / "predictor.safetensors"))  # tampered
+    with pytest.raises(ValueError, match="not the shipped predictor-abc"):
+        pl.shipped_predictor("abc", heads)
+
+
 def test_the_shipped_head_is_the_current_recipes_and_loads():
-    """The repository ships at most the current recipe's head (a stale one would never be used), with
-    the weights its index names, under 25 MB, and loadable: its tensors have its config's shapes."""
+    """The repository ships at most the current recipe's head and expert predictor (a stale one would
+    never be used), with the weights its index names, under 25 MB (8 MB), and loadable: the head's
+    tensors have its config's shapes, the predictor reads a draft hidden state and an embedding."""
     import json
 
     from safetensors.torch import load_file
@@ -368,14 +395,20 @@ def test_the_shipped_head_is_the_current_recipes_and_loads():
     index = pl.SHIPPED_HEADS / "index.json"
     if not index.is_file():
         pytest.skip("no head is shipped in this checkout")
-    assert list(json.loads(index.read_text())) == [pl.Recipe().draft_key()]
-    folder = pl.shipped_head(pl.Recipe().draft_key())
+    recipe = pl.Recipe()
+    assert sorted(json.loads(index.read_text())) == sorted([recipe.draft_key(), f"predictor-{recipe.predictor_key()}"])
+    predictor = pl.shipped_predictor(recipe.predictor_key())
+    assert predictor is not None and (predictor / "predictor.safetensors").stat().st_size <= 8 * 2**20
+    folder = pl.shipped_head(recipe.draft_key())
     assert folder is not None and (folder / "model.safetensors").stat().st_size <= 25 * 2**20
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(folder / "model.safetensors")
     H, V = config["hidden_size"], config["draft_vocab_size"]
     assert tensors["fc.weight"].shape == (H, H * len(config["eagle_aux_hidden_state_layer_ids"]))
     assert tensors["lm_head.weight"].shape == (V, H) and tensors["d2t"].shape == (V,)
+    from moespec.spec.expert_predictor import ExpertPredictor
+
+    assert ExpertPredictor.load(predictor).weight.shape[2] == 2 * config["target_hidden_size"]  # [draft hidden, embedding]
 
 
 def test_self_distilled_corpus_is_the_targets_own_continuations(derived, tmp_path, monkeypatch):

@@ -279,10 +279,12 @@ class ExpertStep:
     rerouted: tuple[int, ...]  # [L] token slots moved to another expert (substitution)
     dropped: tuple[int, ...]  # [L] token slots dropped (truncation)
     measured: bool = True
+    predicted: Optional[tuple[float, ...]] = None  # [L] the cost-aware selector's expected unique experts (eco)
 
 
 def batch_expert_steps(per_request: Sequence[Sequence[Any]], decode_steps: Sequence[int], *, top_k: int,
-                       num_experts: int, moe_layers: int) -> list[ExpertStep]:
+                       num_experts: int, moe_layers: int,
+                       predicted: Optional[Sequence[Sequence[Any]]] = None) -> list[ExpertStep]:
     """The target steps of one static batch, each counted once.
 
     ``per_request[r]`` is request r's RequestStats.expert_stats: one int [L, 4] array (natural, kept,
@@ -291,15 +293,18 @@ def batch_expert_steps(per_request: Sequence[Sequence[Any]], decode_steps: Seque
     prefix of the longest one, which therefore holds every step exactly once. When nothing was
     recorded (plain decoding), step j is estimated from the a_j requests still active at it
     (``decode_steps[r] > j``): min(a_j * top_k, num_experts) unique experts per layer.
+    ``predicted[r]`` (optional) is request r's RequestStats.predicted_unique, batch-wide the same way.
     """
     if len(per_request) != len(decode_steps):
         raise ValueError("batch_expert_steps: one expert_stats list per decode_steps entry")
     longest = max(per_request, key=len, default=[])
+    guesses = max(predicted or [], key=len, default=[])
     if len(longest):
         steps = []
-        for stats in longest:
+        for j, stats in enumerate(longest):
             a = np.asarray(stats, dtype=np.int64).reshape(-1, 4)  # [L, 4]
-            steps.append(ExpertStep(*(tuple(int(x) for x in a[:, c]) for c in range(4))))
+            guess = tuple(float(x) for x in np.asarray(guesses[j]).reshape(-1)) if j < len(guesses) else None
+            steps.append(ExpertStep(*(tuple(int(x) for x in a[:, c]) for c in range(4)), predicted=guess))
         return steps
     out = []
     for j in range(max(decode_steps, default=0)):
@@ -322,13 +327,20 @@ def expert_statistics(steps: Sequence[ExpertStep], *, generated_tokens: int, byt
       steps included, see :class:`ExpertStep`), per generated token, where ``generated_tokens``
       counts the tokens those steps emitted, i.e. sum (OSL - 1): the prefill, which produces the
       first token, is in neither the numerator nor the denominator;
-    - slots re-routed and dropped, summed over layers and measured steps.
+    - slots re-routed and dropped, summed over layers and measured steps;
+    - with a cost-aware tree (steps carrying ``predicted``): the selector's expected unique experts
+      per layer per step (mean) and its mean absolute relative error against the natural count, over
+      (layer, step) pairs.
     """
     measured = [s for s in steps if s.measured]
     natural = np.array([s.natural for s in measured], dtype=np.float64).reshape(len(measured), moe_layers)  # [S, L]
     kept = np.array([s.kept for s in measured], dtype=np.float64).reshape(len(measured), moe_layers)  # [S, L]
     have = len(measured) > 0 and moe_layers > 0
     bytes_read = sum(sum(s.kept) for s in steps) * bytes_per_expert
+    guessed = [s for s in measured if s.predicted is not None and len(s.predicted) == moe_layers]
+    guess = np.array([s.predicted for s in guessed], dtype=np.float64).reshape(len(guessed), moe_layers)  # [S', L]
+    truth = np.array([s.natural for s in guessed], dtype=np.float64).reshape(len(guessed), moe_layers)  # [S', L]
+    have_guess = len(guessed) > 0 and moe_layers > 0
     return {
         "moe_layers": moe_layers,
         "experts_per_layer": experts_per_layer,
@@ -347,6 +359,8 @@ def expert_statistics(steps: Sequence[ExpertStep], *, generated_tokens: int, byt
         "expert_bytes_read": int(bytes_read),
         "generated_tokens": generated_tokens,
         "expert_bytes_per_output_token": bytes_read / generated_tokens if generated_tokens > 0 else None,
+        "predicted_unique_per_layer": float(guess.mean()) if have_guess else None,
+        "predicted_unique_error": float((np.abs(guess - truth) / np.maximum(truth, 1)).mean()) if have_guess else None,
     }
 
 

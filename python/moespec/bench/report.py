@@ -210,6 +210,8 @@ def _expert_text(x: dict[str, Any], policy: str) -> str:
              f"Slots Dropped:                      {x['slots_dropped']}\n"
              f"Expert Bytes Read:                  {x['expert_bytes_read']}\n"
              f"Expert Bytes per Output Token:      {_num(x['expert_bytes_per_output_token'])}\n"
+             f"Predicted Unique per Layer (eco):   {_num(x['predicted_unique_per_layer'])}\n"
+             f"Predicted Unique Error (eco):       {_num(x['predicted_unique_error'])}\n"
              "\n-- Natural Unique Experts per Layer per Verify Step ------------\n\n"
              f"{_tagged('NUE', x['natural_unique_per_layer_percentiles'], '.2f')}\n"
              "-- Kept Unique Experts per Layer per Verify Step ---------------\n\n"
@@ -286,6 +288,7 @@ COMPARE_COLUMNS = (  # (header, key, format); None values print as "-"
     ("AL", "acceptance_length", ">6.3f"),
     ("experts/layer", "kept_unique_per_layer", ">13.2f"),
     ("natural", "natural_unique_per_layer", ">8.2f"),
+    ("predicted", "predicted_unique_per_layer", ">9.2f"),
     ("identical", "identical_share", ">9.3f"),
     ("match", "token_match_rate", ">6.3f"),
     ("logp/token", "mean_logprob", ">10.4f"),

@@ -241,7 +241,8 @@ def _expert_steps(engine: Engine, outs) -> list[m.ExpertStep]:
     moe = engine.target.config.moe
     return m.batch_expert_steps([o.stats.expert_stats for o in outs], [o.stats.decode_steps for o in outs],
                                 top_k=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0,
-                                moe_layers=engine.moe_layers)
+                                moe_layers=engine.moe_layers,
+                                predicted=[getattr(o.stats, "predicted_unique", []) for o in outs])
 
 
 def run_batch(llm, batch: Sequence[Request], sampling: Sampling, engine: Engine) -> BatchResult:
@@ -598,6 +599,7 @@ def _compare_rows(choices, cols, reports, scores, reference, done) -> list[dict[
             "acceptance_length": m.acceptance_length(col.records),
             "kept_unique_per_layer": _mean_unique(steps, "kept"),
             "natural_unique_per_layer": _mean_unique(steps, "natural"),
+            "predicted_unique_per_layer": reports[c.label]["expert_statistics"]["predicted_unique_per_layer"],
             "experts_estimated": bool(col.steps) and not any(s.measured for s in col.steps),
             "expert_bytes_per_output_token": reports[c.label]["expert_statistics"]["expert_bytes_per_output_token"],
             **agree, "mean_logprob": total / count if count else None, "logprob_delta": None, "scored_tokens": count,

@@ -151,7 +151,9 @@ def format_validation(result: dict[str, Any]) -> str:
 def train_and_report(engine_folder: str, dataset: Optional[str], *, train_requests: int, steps: int,
                      out: Optional[str]) -> dict[str, Any]:
     """Trains the expert predictor on the first ``train_requests`` prompts of the dataset and reports
-    its recall on the others against the static top-k and the history-1 baseline."""
+    its recall on the others against the static top-k and the history-1 baseline; with
+    ``train_requests`` 0, the engine's own predictor on every prompt (the static top-k then counts
+    the prompts themselves: in-sample, an upper bound for it)."""
     import time
 
     from moespec.bench.run import load_requests, open_engine
@@ -165,18 +167,27 @@ def train_and_report(engine_folder: str, dataset: Optional[str], *, train_reques
     if engine.target.config.moe is None:
         raise ValueError(f"engine {engine_folder}: the target is dense (no MoE layer to predict)")
     requests = load_requests(dataset, engine)
-    if not 1 <= train_requests < len(requests):
-        raise ValueError(f"--train-requests must be in [1, {len(requests) - 1}] (the rest are held out), got "
-                         f"{train_requests}")
+    if not 0 <= train_requests < len(requests):
+        raise ValueError(f"--train-requests must be in [0, {len(requests) - 1}] (the rest are held out; 0: the "
+                         f"engine's own predictor), got {train_requests}")
     moe = engine.target.config.moe
     start = time.perf_counter()
-    X, Y, _ = predictor_samples(engine.target, engine.head, [r.input_ids for r in requests[:train_requests]])
     Xh, Yh, Hh = predictor_samples(engine.target, engine.head, [r.input_ids for r in requests[train_requests:]])
+    if train_requests:
+        X, Y, _ = predictor_samples(engine.target, engine.head, [r.input_ids for r in requests[:train_requests]])
+    else:
+        from moespec.engine.folder import engine_predictor
+
+        X, Y = Xh, Yh
+        predictor = engine_predictor(engine_folder, engine.target.config)
+        if predictor is None:
+            raise ValueError(f"engine {engine_folder} has no expert predictor to evaluate (--train-requests 0)")
     collected = time.perf_counter() - start
-    predictor = train_predictor(X, Y, moe.num_experts, steps=steps,
-                                meta={"engine": str(engine_folder), "dataset": str(dataset),
-                                      "train_requests": train_requests})
-    trained = time.perf_counter() - start - collected
+    if train_requests:
+        predictor = train_predictor(X, Y, moe.num_experts, steps=steps,
+                                    meta={"engine": str(engine_folder), "dataset": str(dataset),
+                                          "train_requests": train_requests})
+    trained = time.perf_counter() - start - collected if train_requests else 0.0
     counts = np.stack([np.bincount(Y[:, layer].reshape(-1), minlength=moe.num_experts) for layer in range(Y.shape[1])])
     static = top_experts(counts.astype(np.float64), moe.top_k)[None]
     import torch
@@ -197,8 +208,9 @@ def train_and_report(engine_folder: str, dataset: Optional[str], *, train_reques
 
 def format_trained(r: dict[str, Any]) -> str:
     rc = r["recall"]
-    text = (f"expert predictor trained on {r['train_samples']} samples ({r['collect_s']:.0f} s to collect, "
-            f"{r['train_s']:.0f} s to train); held-out recall of a node's true top-k over {r['held_out_samples']} "
+    what = (f"expert predictor trained on {r['train_samples']} samples ({r['collect_s']:.0f} s to collect, "
+            f"{r['train_s']:.0f} s to train)" if r["train_s"] > 0 else "the engine's expert predictor")
+    text = (f"{what}; held-out recall of a node's true top-k over {r['held_out_samples']} "
             f"samples: trained {rc['trained']:.3f}, static top-k {rc['static_top_k']:.3f}, history-1 "
             f"{rc['history_1']:.3f}, chance {r['chance']:.3f}")
     return text + (f"\nwrote {r['out']}" if r.get("out") else "")
@@ -265,7 +277,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--history", default="1,4,16", help="verified tokens the history predictor looks back on")
     e.add_argument("--engine", help="train the predictor for this engine (with --dataset)")
     e.add_argument("--dataset", help="prompts: the first --train-requests train, the rest are held out")
-    e.add_argument("--train-requests", type=int, default=36)
+    e.add_argument("--train-requests", type=int, default=36,
+                   help="prompts the predictor trains on (the rest are held out); 0: evaluate the engine's own")
     e.add_argument("--steps", type=int, default=300)
     e.add_argument("--out", help="write the trained predictor to this folder")
     e.add_argument("--json")

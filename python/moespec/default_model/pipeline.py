@@ -82,11 +82,27 @@ class TreeSettings:
 
 
 @dataclass(frozen=True)
+class PredictorSettings:
+    """How the default engine's expert predictor (the eco policies') is trained
+    (:func:`moespec.spec.expert_predictor.train_predictor`): on teacher-forced samples of the MoE's own
+    continuations (the head's self-distilled corpus, fitting prompts only), ``sequences`` of them in
+    a seeded order, each cut to ``max_tokens``."""
+
+    sequences: int = 48
+    max_tokens: int = 192
+    steps: int = 300
+    lr: float = 3e-3
+    l2: float = 1e-4
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class Recipe:
     derive: DeriveSettings = DeriveSettings()
     head: HeadSettings = HeadSettings()
     seed: int = 0
     tree: TreeSettings = TreeSettings()
+    predictor: PredictorSettings = PredictorSettings()
 
     def key(self) -> str:
         """The whole recipe's hash (the head and the engine)."""
@@ -97,6 +113,12 @@ class Recipe:
         """The hash of what shapes the head (the MoE and the head settings; not the engine's tree)."""
         blob = json.dumps({"version": RECIPE_VERSION, "derive": asdict(self.derive), "head": asdict(self.head),
                            "seed": self.seed}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def predictor_key(self) -> str:
+        """The hash of what shapes the expert predictor (the head's key and the predictor settings)."""
+        blob = json.dumps({"version": RECIPE_VERSION, "draft": self.draft_key(), "predictor": asdict(self.predictor)},
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def moe_key(self) -> str:
@@ -204,21 +226,41 @@ def write_self_distilled_corpus(path: Path, moe_dir: Path, cache: Path, recipe: 
             "generated tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
 
 
-def shipped_head(key: str, heads: Path = SHIPPED_HEADS) -> Optional[Path]:
-    """The head shipped in the repository for draft key ``key`` (``heads/draft-<key>``), checked against
-    ``heads/index.json``'s sha256 of its weights; None when none is shipped for this key; ValueError
-    when one is there but its weights do not match the index."""
-    folder = heads / f"draft-{key}"
+def shipped(name: str, weights: str, index_key: str, heads: Path = SHIPPED_HEADS) -> Optional[Path]:
+    """The folder ``heads/<name>`` shipped in the repository, checked against ``heads/index.json``'s
+    sha256 of its ``weights`` file under ``index_key``; None when none is shipped for this key;
+    ValueError when one is there but its weights do not match the index."""
+    folder = heads / name
     try:
-        entry = json.loads((heads / "index.json").read_text())[key]
+        entry = json.loads((heads / "index.json").read_text())[index_key]
     except (OSError, KeyError, json.JSONDecodeError):
         return None
-    weights = folder / "model.safetensors"
-    if not weights.is_file() or sha256_file(weights) != entry["sha256"]:
-        raise ValueError(f"{weights}: missing or not the shipped head of recipe {key} (sha256 differs from "
-                         f"{heads / 'index.json'}); restore it with git or retrain it with "
-                         f"`python -m moespec.default_model --train-head`")
+    path = folder / weights
+    if not path.is_file() or sha256_file(path) != entry["sha256"]:
+        raise ValueError(f"{path}: missing or not the shipped {name} (sha256 differs from {heads / 'index.json'}); "
+                         f"restore it with git or retrain it with `{entry.get('command', 'python -m moespec.default_model')}`")
     return folder
+
+
+def _ship(write, name: str, weights: str, index_key: str, command: str, heads: Path) -> Path:
+    """``write(tmp)`` fills a new folder, which replaces ``heads/<name>``; its weights' sha256 goes into
+    ``heads/index.json`` under ``index_key``."""
+    folder, tmp = heads / name, heads / f".{name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    index_path = heads / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    index[index_key] = {"sha256": sha256_file(folder / weights), "command": command}
+    write_json_atomic(index_path, dict(sorted(index.items())))
+    return folder
+
+
+def shipped_head(key: str, heads: Path = SHIPPED_HEADS) -> Optional[Path]:
+    """The head shipped for draft key ``key`` (``heads/draft-<key>``; see :func:`shipped`)."""
+    return shipped(f"draft-{key}", "model.safetensors", key, heads)
 
 
 def ship_head(trained: Path, key: str, heads: Path = SHIPPED_HEADS) -> Path:
@@ -228,26 +270,47 @@ def ship_head(trained: Path, key: str, heads: Path = SHIPPED_HEADS) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    folder = heads / f"draft-{key}"
-    tmp = heads / f".draft-{key}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
-               for k, v in load_file(trained / "model.safetensors").items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((trained / "config.json").read_text())
-    config["torch_dtype"] = "bfloat16"
-    for field in ("target", "corpus"):
-        config.get("moespec", {}).pop(field, None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.copy(trained / "train_log.json", tmp / "train_log.json")
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
-    index_path = heads / "index.json"
-    index = json.loads(index_path.read_text()) if index_path.is_file() else {}
-    index[key] = {"sha256": sha256_file(folder / "model.safetensors"), "command": "python -m moespec.default_model --train-head --ship"}
-    write_json_atomic(index_path, dict(sorted(index.items())))
-    return folder
+    def write(tmp: Path) -> None:
+        tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
+                   for k, v in load_file(trained / "model.safetensors").items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((trained / "config.json").read_text())
+        config["torch_dtype"] = "bfloat16"
+        for field in ("target", "corpus"):
+            config.get("moespec", {}).pop(field, None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        shutil.copy(trained / "train_log.json", tmp / "train_log.json")
+
+    return _ship(write, f"draft-{key}", "model.safetensors", key,
+                 "python -m moespec.default_model --train-head --ship", heads)
+
+
+def shipped_predictor(key: str, heads: Path = SHIPPED_HEADS) -> Optional[Path]:
+    """The expert predictor shipped for predictor key ``key`` (``heads/predictor-<key>``)."""
+    return shipped(f"predictor-{key}", "predictor.safetensors", f"predictor-{key}", heads)
+
+
+def ship_predictor(trained: Path, key: str, heads: Path = SHIPPED_HEADS) -> Path:
+    """Writes the trained predictor into the repository as ``heads/predictor-<key>`` (bf16 weights)."""
+    from moespec.spec.expert_predictor import ExpertPredictor
+
+    def write(tmp: Path) -> None:
+        predictor = ExpertPredictor.load(trained)
+        predictor.meta.pop("moe", None)  # this machine's paths
+        predictor.save(tmp, "bf16")
+
+    return _ship(write, f"predictor-{key}", "predictor.safetensors", f"predictor-{key}",
+                 "python -m moespec.default_model --train-head --ship", heads)
+
+
+def _copy_shipped(shipped_folder: Path, out: Path, what: str) -> Path:
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(shipped_folder, partial)
+    os.replace(partial, out)
+    _log(f"{what}: {out} (shipped in {shipped_folder})")
+    return out
 
 
 def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = True, train: bool = False) -> Path:
@@ -265,27 +328,16 @@ def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = 
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file() and (out / "train_log.json").is_file():
         _log(f"draft head: {out} (cached)")
         return out
-    shipped = None if train else shipped_head(key)
-    if shipped is not None:
-        partial = out.with_name(out.name + ".partial")
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(shipped, partial)
-        os.replace(partial, out)
-        _log(f"draft head: {out} (shipped in {shipped})")
-        return out
+    ready = None if train else shipped_head(key)
+    if ready is not None:
+        return _copy_shipped(ready, out, "draft head")
     corpus = cache / f"draft-corpus-{key}.jsonl"
     if not corpus.is_file():
         counts = write_head_corpus(corpus, moe_dir, cache, recipe)
         _log(f"head corpus {corpus.name}: {counts} documents")
     files = [corpus]
     if h.self_distill_prompts:
-        own = cache / f"draft-self-{key}.jsonl"
-        if not own.is_file():
-            _log(f"the MoE continues {h.self_distill_prompts} fitting prompts ({h.self_distill_tokens} tokens each)")
-            counts = write_self_distilled_corpus(own, moe_dir, cache, recipe, progress=progress)
-            _log(f"self-distilled corpus {own.name}: {counts}")
-        files.append(own)
+        files.append(ensure_self_distilled(cache, moe_dir, recipe, progress=progress))
     _log(f"training the EAGLE-3 head into {out} ({h.steps} steps)")
     torch.set_num_threads(THREADS)  # fixed, so the head is the same on every machine
     result = train_draft(moe_dir, files, out, steps=h.steps, ttt_steps=h.ttt_steps, draft_vocab_size=h.draft_vocab,
@@ -295,28 +347,82 @@ def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = 
     return out
 
 
+def ensure_self_distilled(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = True) -> Path:
+    """The MoE's own continuations ``cache/draft-self-<draft key>.jsonl``, written if absent."""
+    h = recipe.head
+    own = cache / f"draft-self-{recipe.draft_key()}.jsonl"
+    if not own.is_file():
+        _log(f"the MoE continues {h.self_distill_prompts} fitting prompts ({h.self_distill_tokens} tokens each)")
+        counts = write_self_distilled_corpus(own, moe_dir, cache, recipe, progress=progress)
+        _log(f"self-distilled corpus {own.name}: {counts}")
+    return own
+
+
+def ensure_predictor(cache: Path, moe_dir: Path, draft_dir: Path, recipe: Recipe, *, progress: bool = True,
+                     train: bool = False) -> Path:
+    """The expert predictor ``cache/predictor-<predictor key>``: cached, else the one shipped for this
+    recipe, else trained on the self-distilled corpus (see :class:`PredictorSettings`)."""
+    import torch
+
+    from moespec.spec.eagle3 import load_eagle3
+    from moespec.spec.expert_predictor import predictor_samples, train_predictor
+
+    key, ps = recipe.predictor_key(), recipe.predictor
+    out = cache / f"predictor-{key}"
+    if train:
+        shutil.rmtree(out, ignore_errors=True)
+    if (out / "predictor.safetensors").is_file() and (out / "predictor.json").is_file():
+        _log(f"expert predictor: {out} (cached)")
+        return out
+    ready = None if train else shipped_predictor(key)
+    if ready is not None:
+        return _copy_shipped(ready, out, "expert predictor")
+    own = ensure_self_distilled(cache, moe_dir, recipe, progress=progress)
+    rows = [json.loads(line)["input_ids"] for line in own.read_text().splitlines() if line.strip()]
+    random.Random(ps.seed).shuffle(rows)
+    sequences = [r[: ps.max_tokens] for r in rows[: ps.sequences]]
+    _log(f"training the expert predictor into {out} ({len(sequences)} sequences, {ps.steps} steps)")
+    torch.set_num_threads(THREADS)
+    from moespec.models import load
+
+    target = load(moe_dir, "bf16", progress=False)
+    head = load_eagle3(draft_dir, target)
+    X, Y, _ = predictor_samples(target, head, sequences)
+    predictor = train_predictor(X, Y, target.config.moe.num_experts, steps=ps.steps, lr=ps.lr, l2=ps.l2, seed=ps.seed,
+                                meta={"recipe": key, "samples": int(len(X)), "corpus": own.name})
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    predictor.save(partial, "bf16")
+    os.replace(partial, out)
+    return out
+
+
 def provide(scratch: Path, *, cache: Optional[str | Path] = None, recipe: Recipe = Recipe(), fetch: bool = True,
-            progress: bool = True, train_head: bool = False) -> tuple[Path, Path]:
-    """(derived MoE folder, draft head folder), built or taken from the cache: the provider behind
-    ``moespec build --model default`` (``scratch`` is not needed: everything lives in the cache)."""
+            progress: bool = True, train_head: bool = False) -> tuple[Path, Path, Path]:
+    """(derived MoE folder, draft head folder, expert predictor folder), built or taken from the
+    cache: the provider behind ``moespec build --model default`` (``scratch`` is not needed:
+    everything lives in the cache)."""
     del scratch
     where = cache_dir(cache)
     where.mkdir(parents=True, exist_ok=True)
     if fetch:
         fetch_inputs(where)
     moe = ensure_moe(where, recipe, progress=progress)
-    return moe, ensure_head(where, moe, recipe, progress=progress, train=train_head)
+    head = ensure_head(where, moe, recipe, progress=progress, train=train_head)
+    return moe, head, ensure_predictor(where, moe, head, recipe, progress=progress, train=train_head)
 
 
-def engine_is_current(folder: Path, moe: Path, draft: Path, tree: Optional[TreeSettings] = None) -> bool:
+def engine_is_current(folder: Path, moe: Path, draft: Path, tree: Optional[TreeSettings] = None,
+                      predictor: Optional[Path] = None) -> bool:
     """Whether ``folder`` is an engine built from exactly these source folders (hence this recipe)
-    and, when given, with this default tree."""
+    and, when given, with this default tree and this expert predictor."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
         prov, spec = manifest["provenance"], manifest.get("speculation") or {}
         same_tree = tree is None or all(spec.get(k) == v for k, v in asdict(tree).items())
+        same_predictor = predictor is None or (prov.get("predictor_source") or {}).get("path") == str(predictor)
         return (prov["source"]["path"] == str(moe) and (prov.get("draft_source") or {}).get("path") == str(draft)
-                and (folder / "weights.safetensors").is_file() and same_tree)
+                and (folder / "weights.safetensors").is_file() and same_tree and same_predictor)
     except (OSError, KeyError, TypeError, json.JSONDecodeError):
         return False
 
@@ -331,13 +437,15 @@ def build_default_engine(out: str | Path = DEFAULT_ENGINE, *, cache: Optional[st
 
     clock = time.perf_counter()
     out = Path(out).absolute()
-    moe, draft = provide(out, cache=cache, recipe=recipe, fetch=fetch, progress=progress, train_head=train_head)
+    moe, draft, predictor = provide(out, cache=cache, recipe=recipe, fetch=fetch, progress=progress,
+                                    train_head=train_head)
     if ship:
         _log(f"shipped head written: {ship_head(draft, recipe.draft_key())}")
-    if engine_is_current(out, moe, draft, recipe.tree):
+        _log(f"shipped expert predictor written: {ship_predictor(predictor, recipe.predictor_key())}")
+    if engine_is_current(out, moe, draft, recipe.tree, predictor):
         _log(f"engine {out} is up to date (recipe {recipe.key()})")
         return out
-    build_engine(moe, out, draft=draft, dtype=dtype, force=out.exists(), progress=progress,
+    build_engine(moe, out, draft=draft, predictor=predictor, dtype=dtype, force=out.exists(), progress=progress,
                  speculation=asdict(recipe.tree),
                  command=["python", "-m", "moespec.default_model", "--out", str(out)])
     _log(f"engine {out} built in {time.perf_counter() - clock:.0f} s (recipe {recipe.key()})")

@@ -99,7 +99,7 @@ def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the engine private to its builder
     try:
-        source, draft_path, source_info = _resolve_source(model, draft, tmp, dtype, progress)
+        source, draft_path, predictor, source_info = _resolve_source(model, draft, predictor, tmp, dtype, progress)
         _check_speculation_args(spec_args, draft_path is not None)
         from moespec.models import load
 
@@ -137,7 +137,7 @@ def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union
             "predictor": predictor_entry,
             "tokenizer": tokenizer_entry,
             "speculation": spec,
-            "provenance": _provenance(source_info, draft_path, command, start),
+            "provenance": _provenance(source_info, draft_path, command, start, predictor),
         }
         del tensors, target
         _write_json(tmp / MANIFEST, manifest)  # last: its presence marks a complete folder
@@ -192,9 +192,11 @@ def _fsync_dir(path: Path) -> None:
 # ---- sources ------------------------------------------------------------------------------------
 
 
-def _resolve_source(model: Union[str, Path], draft: Union[str, Path, None], tmp: Path, dtype: str,
-                    progress: bool) -> tuple[Path, Optional[Path], dict[str, Any]]:
-    """(Hugging Face folder to load, draft folder or None, provenance of the source)."""
+def _resolve_source(model: Union[str, Path], draft: Union[str, Path, None], predictor: Union[str, Path, None],
+                    tmp: Path, dtype: str,
+                    progress: bool) -> tuple[Path, Optional[Path], Union[str, Path, None], dict[str, Any]]:
+    """(Hugging Face folder to load, draft folder or None, expert predictor folder or None, provenance
+    of the source). The default model may bring its own draft head and predictor."""
     kind = "huggingface"
     if str(model) == "default":
         provider = _default_model
@@ -203,8 +205,10 @@ def _resolve_source(model: Union[str, Path], draft: Union[str, Path, None], tmp:
 
             provider = lambda scratch: provide(scratch, progress=progress)  # noqa: E731
         given = provider(tmp / ".default")
-        model, default_draft = given if isinstance(given, tuple) else (given, None)
+        model, default_draft, default_predictor = (tuple(given) + (None,) * 2)[:3] if isinstance(given, tuple) \
+            else (given, None, None)
         draft = draft if draft is not None else default_draft
+        predictor = predictor if predictor is not None else default_predictor
         kind = "default"
     path = Path(model).absolute()
     draft_path = Path(draft).absolute() if draft is not None else None
@@ -219,7 +223,7 @@ def _resolve_source(model: Union[str, Path], draft: Union[str, Path, None], tmp:
         info = {"kind": "gguf" if kind != "default" else "default-gguf", "path": str(path),
                 "files": {path.name: _file_info(path, progress)}, "gguf": gguf_metadata(path)}
         info["gguf"]["conversion"] = gguf_to_hf(path, tmp / ".source", DTYPES[dtype], progress=progress)
-        return tmp / ".source", draft_path, info
+        return tmp / ".source", draft_path, predictor, info
     if is_engine_folder(path):
         raise ValueError(f"--model {model}: this is a moespec engine folder already; build from its source (a Hugging "
                          f"Face folder or GGUF file), or load it directly")
@@ -228,7 +232,7 @@ def _resolve_source(model: Union[str, Path], draft: Union[str, Path, None], tmp:
     files = ["config.json"] + _weight_files(path)
     info = {"kind": kind, "path": str(path), "files": {f: _file_info(path / f, progress) for f in files},
             "config": json.loads((path / "config.json").read_text())}
-    return path, draft_path, info
+    return path, draft_path, predictor, info
 
 
 def _weight_files(folder: Path) -> list[str]:
@@ -395,7 +399,7 @@ def _git(*args: str) -> Optional[str]:
 
 
 def _provenance(source: dict[str, Any], draft: Optional[Path], command: Optional[Sequence[str]],
-                start: float) -> dict[str, Any]:
+                start: float, predictor: Union[str, Path, None] = None) -> dict[str, Any]:
     import safetensors
     import transformers
 
@@ -416,6 +420,7 @@ def _provenance(source: dict[str, Any], draft: Optional[Path], command: Optional
     return {
         "source": source,
         "draft_source": draft_info,
+        "predictor_source": {"path": str(Path(predictor).absolute())} if predictor is not None else None,
         "moespec_version": moespec.__version__,
         "git_commit": commit,
         "git_dirty": bool(dirty) if dirty is not None else None,

@@ -24,7 +24,7 @@ Manifest (``format_version`` 1)::
     predictor                (optional) null | {folder, layers, experts, files: {name: {bytes, sha256}}}
     tokenizer                null | {folder, files: {name: {bytes, sha256}}}
     speculation              {policy, depth, top_k, total_tokens, budget: null | {max_experts, policy, coverage}}
-    provenance               {source: {kind, path, files, ...}, draft_source, moespec_version, git_commit,
+    provenance               {source: {kind, path, files, ...}, draft_source, predictor_source, moespec_version, git_commit,
                              git_dirty, created, command, versions, seeds, build_seconds}
 """
 

@@ -71,13 +71,21 @@ def marginal_cost(predicted: np.ndarray, predicted_p: Optional[np.ndarray], buff
 
 
 def add_to_buffer(buffer: np.ndarray, predicted: np.ndarray, predicted_p: Optional[np.ndarray]) -> None:
-    """B <- 1 - (1 - B)(1 - p) on one node's predicted experts (float32, in place)."""
+    """B <- 1 - (1 - B)(1 - p) on the predicted experts of one node ([L, K]) or of several ([R, L, K]:
+    applied one node after the other), float32, in place; a repeated id in one layer's prediction
+    counts once."""
+    ids = np.asarray(predicted).reshape(-1, *np.shape(predicted)[-2:])  # [R, L, K]
+    probs = None if predicted_p is None else np.asarray(predicted_p, dtype=np.float32).reshape(ids.shape)
+    R, L, K = ids.shape
+    earlier = np.triu(np.ones((K, K), dtype=bool), 1)  # [j, k]: j < k
+    first = ~((ids[:, :, :, None] == ids[:, :, None, :]) & earlier).any(axis=2)  # [R, L, K]
+    rows = np.broadcast_to(np.arange(L)[:, None], (L, K))
     one = np.float32(1.0)
-    for layer in range(predicted.shape[0]):
-        for k in _first_slots(predicted[layer]):
-            p = one if predicted_p is None else np.float32(predicted_p[layer, k])
-            e = predicted[layer, k]
-            buffer[layer, e] = one - (one - buffer[layer, e]) * (one - p)
+    for r in range(R):  # within one node every (layer, expert) is updated once
+        keep = first[r]
+        layer, expert = rows[keep], ids[r][keep]
+        p = one if probs is None else probs[r][keep]
+        buffer[layer, expert] = one - (one - buffer[layer, expert]) * (one - p)
 
 
 def select_cost_aware(parents: Sequence[int], depth: Sequence[int], scores: Sequence[float], predicted: np.ndarray,
@@ -149,8 +157,10 @@ def select_cost_aware_native(parents, depth, scores, predicted, predicted_p, buf
 class StepPricer:
     """The cost model's prices for the selection (:mod:`moespec.cost.step_cost` on a hardware
     profile): ``costs`` (token: the dense weights' extra time for one more verify token plus the
-    per-token cost; expert: one expert read at one token) and ``base_s`` (S before any candidate:
-    the draft of ``depth`` levels plus a verify of the B roots reading the buffer's experts)."""
+    per-token cost; expert: one expert read at one token) and ``base_s`` (S before any candidate: a
+    verify of the B roots reading the buffer's experts, plus the rest of the step: the draft, the
+    acceptance and the draft's catch-up, as measured on the last steps when given, else the cost
+    model's draft of ``depth`` levels)."""
 
     def __init__(self, shape, hw, *, depth: int, top_k: int, tokens: int, context: int = 256,
                  bytes_per_weight: float = 2.0):
@@ -162,17 +172,73 @@ class StepPricer:
         expert = hw.expert_seconds(shape.expert_params * bytes_per_weight, 1.0, bytes_per_weight)
         self.costs = SelectionCosts(max(token, 0.0), np.full(shape.moe_layers, expert))
 
-    def base_s(self, requests: int, buffer: np.ndarray) -> float:
+    def base_s(self, requests: int, buffer: np.ndarray, rest_s: Optional[float] = None) -> float:
         from moespec.cost.step_cost import draft_seconds, step_cost
 
         unique = np.clip(buffer.sum(axis=1), 1.0, self.shape.num_experts)  # [L] expected experts of the roots
         verify = step_cost(self.shape, self.hw, tokens=requests, requests=requests, context=self.context,
                            unique=unique, bytes_per_weight=self.bytes_per_weight)
-        return verify.seconds + draft_seconds(self.shape, self.hw, depth=self.depth, top_k=self.top_k,
-                                              requests=requests, bytes_per_weight=self.bytes_per_weight)
+        if rest_s is None:
+            rest_s = draft_seconds(self.shape, self.hw, depth=self.depth, top_k=self.top_k, requests=requests,
+                                   bytes_per_weight=self.bytes_per_weight)
+        return verify.seconds + rest_s
 
 
 # ---- the selector of the eco policies ------------------------------------------------------------
+
+
+class AcceptanceCalibration:
+    """Maps a node's cumulative draft log-probability s to a calibrated log acceptance probability,
+    learned from the verified trees' outcomes (was the node on the accepted path?) by Platt scaling:
+    a = sigmoid(alpha + beta logit(exp(s))), fitted by Newton's method with a ridge pull toward the
+    identity (alpha 0, beta 1; weight ``prior`` observations) on the last ``capacity`` outcomes,
+    refitted every ``refit_every`` observed trees. beta > 0 keeps the map increasing, so a child never
+    outranks its parent and EAGLE-2's order among nodes is kept. EAGLE-2's exp(s) is the identity
+    map; a head's confidence is seldom calibrated (the default head's nodes at exp(s) 0.2-0.5 are
+    accepted 1.5x as often as it says; README "The eco policies")."""
+
+    def __init__(self, capacity: int = 4096, prior: float = 50.0, refit_every: int = 8):
+        self.capacity, self.prior, self.refit_every = capacity, prior, refit_every
+        self.x = np.zeros(0, dtype=np.float64)  # logit(exp(s)) of observed nodes
+        self.y = np.zeros(0, dtype=np.float64)  # 1: accepted
+        self.alpha, self.beta = 0.0, 1.0
+        self._pending = 0
+
+    @staticmethod
+    def _logit(scores) -> np.ndarray:
+        q = np.clip(np.exp(np.asarray(scores, dtype=np.float64)), 1e-6, 1 - 1e-6)
+        return np.log(q) - np.log1p(-q)
+
+    def observe(self, scores, accepted) -> None:
+        """scores [M] of a verified tree's non-root nodes, accepted [M] bool."""
+        self.x = np.concatenate([self.x, self._logit(scores)])[-self.capacity:]
+        self.y = np.concatenate([self.y, np.asarray(accepted, dtype=np.float64)])[-self.capacity:]
+        self._pending += 1
+        if self._pending >= self.refit_every:
+            self._pending = 0
+            self.fit()
+
+    def fit(self, iterations: int = 20) -> None:
+        w = np.array([self.alpha, self.beta])
+        anchor = np.array([0.0, 1.0])
+        X = np.stack([np.ones_like(self.x), self.x], axis=1)  # [n, 2]
+        for _ in range(iterations):
+            p = 1.0 / (1.0 + np.exp(-(X @ w)))
+            grad = X.T @ (p - self.y) + self.prior * (w - anchor)
+            hess = (X * (p * (1 - p))[:, None]).T @ X + self.prior * np.eye(2)
+            step = np.linalg.solve(hess, grad)
+            w = w - step
+            if np.abs(step).max() < 1e-8:
+                break
+        self.alpha, self.beta = float(w[0]), float(max(w[1], 0.05))
+
+    def log_accept(self, scores) -> np.ndarray:
+        """Calibrated log acceptance of cumulative log-probs ``scores`` (float32; -inf stays -inf)."""
+        s = np.asarray(scores, dtype=np.float64)
+        z = self.alpha + self.beta * self._logit(s)
+        out = -np.logaddexp(0.0, -z)  # log sigmoid
+        return np.where(np.isneginf(s), -np.inf, out).astype(np.float32)
+
 
 def default_hardware():
     """The profile the eco policies price nodes with: MOESPEC_HARDWARE (a name or a profile .json,
@@ -195,33 +261,60 @@ class CostAwareTrees:
     experts, S with :meth:`StepPricer.base_s` and A = B (each root's bonus token), then
     :func:`select_cost_aware_native` request by request, carrying buffer, S and A (one verify pass
     reads the batch's union and emits the batch's tokens). ``predicted_unique`` keeps the last
-    step's expected unique experts per layer (sum of the buffer), for the expert statistics."""
+    step's expected unique experts per layer (sum of the buffer), for the expert statistics.
 
-    def __init__(self, target, predictor, pricer: StepPricer, total_tokens: int, keep: Optional[int] = None):
+    Two things are learned from the steps (:meth:`observe_step`): the part of a step besides its
+    verify pass (draft, acceptance, catch-up: Python and small kernels the roofline does not see),
+    an exponential average (weight ``smoothing`` for the newest step) that S starts from; and the
+    head's calibration (:class:`AcceptanceCalibration`), which turns scores into a(c). Only which
+    drafted nodes are verified depends on them, never the output."""
+
+    def __init__(self, target, predictor, pricer: StepPricer, total_tokens: int, keep: Optional[int] = None,
+                 smoothing: float = 0.2):
         predictor.check_target(target.config)
         self.target, self.predictor, self.pricer, self.total_tokens = target, predictor, pricer, total_tokens
         moe = target.config.moe
         self.keep = keep or min(moe.num_experts, 2 * moe.top_k)
+        self.smoothing = smoothing
+        self.rest_s: Optional[float] = None  # measured seconds of a step besides its verify pass (average)
+        self.calibration = AcceptanceCalibration()
         self.predicted_unique: Optional[np.ndarray] = None  # [L] of the last step
 
-    def trees(self, builder, roots: Sequence[int], root_hidden, level_hidden: Sequence) -> list:
+    def observe_step(self, rest_s: float, trees: Sequence = (), paths: Sequence = ()) -> None:
+        """Records one step: its seconds besides its verify pass, and per verified tree (DraftTree)
+        the accepted path (node indices from the root) for the acceptance calibration."""
+        self.rest_s = rest_s if self.rest_s is None else (1 - self.smoothing) * self.rest_s + self.smoothing * rest_s
+        for tree, path in zip(trees, paths):
+            M = len(tree.tokens) - 1
+            if M > 0:
+                accepted = np.zeros(M + 1, dtype=bool)
+                accepted[list(path)] = True
+                self.calibration.observe(tree.scores[1:].numpy(), accepted[1:])
+
+    def trees(self, builder, roots: Sequence[int], root_hidden, level_hidden: Sequence,
+              active: Optional[Sequence[bool]] = None) -> list:
         """roots [B]; root_hidden [B, H]: the draft state that proposed level 1; level_hidden[i]
-        [B, K, H]: the frontier states that proposed level i + 2 (slot s -> candidates C_i + s K + j)."""
+        [B, K, H]: the frontier states that proposed level i + 2 (slot s -> candidates C_i + s K + j);
+        active [B] (default all): an inactive request's tree is its root alone and costs nothing."""
         import torch
 
         from moespec.spec.tree import tree_from_selection
 
         embed = self.target.weights.embed
         B = len(roots)
+        active = [True] * B if active is None else list(active)
+        live = [b for b in range(B) if active[b]]
         L, N = self.predictor.num_layers, self.predictor.num_experts
         root_ids, root_p = self.predictor.predict_p(root_hidden, embed[torch.tensor(roots)], self.keep)  # [B, L, M]
         buffer = np.zeros((L, N), dtype=np.float32)
-        for b in range(B):
-            add_to_buffer(buffer, root_ids[b].numpy(), root_p[b].numpy())
-        step_s, accepted = self.pricer.base_s(B, buffer), float(B)
+        add_to_buffer(buffer, root_ids[live].numpy(), root_p[live].numpy())
+        step_s, accepted = self.pricer.base_s(max(len(live), 1), buffer, self.rest_s), float(max(len(live), 1))
         out = []
         for b in range(B):
             cands = builder.candidates(b)
+            if not active[b]:
+                out.append(tree_from_selection(int(roots[b]), cands, []))
+                continue
             C = len(cands.tokens)
             K = int(builder.top_k)
             parent_h = [root_hidden[b].expand(min(K, C), -1)]
@@ -232,10 +325,18 @@ class CostAwareTrees:
                 parent_h.append(h[b].repeat_interleave(K, dim=0)[: C - start])  # [K K, H]
                 start += K * K
             parent = torch.cat(parent_h)[:C]  # [C, H]
-            ids, prob = self.predictor.predict_p(parent, embed[cands.tokens], self.keep)  # [C, L, M]
+            log_a = self.calibration.log_accept(cands.scores.numpy())  # [C]
+            # S / A only falls as nodes are chosen, so a candidate worth less than its token now never
+            # pays: its experts need no prediction (it keeps cost token_s, gain <= 0: the same choice)
+            hopeful = torch.from_numpy(step_s / accepted * np.exp(log_a.astype(np.float64)) > self.pricer.costs.token_s)
+            ids = torch.zeros(C, L, self.keep, dtype=torch.int32)
+            prob = torch.zeros(C, L, self.keep)
+            if bool(hopeful.any()):
+                got_ids, got_p = self.predictor.predict_p(parent[hopeful], embed[cands.tokens[hopeful]], self.keep)
+                ids[hopeful], prob[hopeful] = got_ids.to(torch.int32), got_p
             chosen, step_s, accepted = select_cost_aware_native(
-                cands.parents.numpy(), cands.depth.numpy(), cands.scores.numpy(), ids.numpy().astype(np.int32),
-                prob.numpy(), buffer, self.pricer.costs, self.total_tokens, step_s=step_s, accepted=accepted)
+                cands.parents.numpy(), cands.depth.numpy(), log_a, ids.numpy(), prob.numpy(), buffer,
+                self.pricer.costs, self.total_tokens, step_s=step_s, accepted=accepted)
             out.append(tree_from_selection(int(roots[b]), cands, chosen))
         self.predicted_unique = buffer.sum(axis=1)
         return out

@@ -25,6 +25,7 @@ Vd draft vocabulary.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -115,17 +116,25 @@ class Eagle3Policy:
     # ---- one step ---------------------------------------------------------------------------------
 
     def step(self, run: Run, batch) -> list[Optional[list[int]]]:
+        clock = time.perf_counter()
         active = [not r.finished for r in batch]
-        trees = self._draft(run, [r.last if a else 0 for r, a in zip(batch, active)])
+        trees = self._draft(run, [r.last if a else 0 for r, a in zip(batch, active)], active)
+        verify_start = time.perf_counter()
         out = self.target.verify_trees(run.cache, [t if a else None for t, a in zip(trees, active)],
                                        budget=self.budget)
+        verify_s = time.perf_counter() - verify_start
         tokens = [trees[b].tokens.tolist() if a else [] for b, a in enumerate(active)]  # (accept's lists)
         parents = run.cache.pending.parents
         run.last_expert_stats = out.expert_stats
+        run.last_predicted_unique = None if self.selector is None else self.selector.predicted_unique
         accepted = [accept(tokens[b], parents[b], out.logits[b, : len(tokens[b])], r.params, r.generator)
                     if active[b] else None for b, r in enumerate(batch)]
         self.target.commit(run.cache, [a.path if a else [] for a in accepted])
         self._catch_up(run, [a.tokens if a else [] for a in accepted], self._path_features(out.hidden, accepted))
+        if self.selector is not None:  # what the step cost besides its verify pass prices the next tree
+            live = [b for b in range(len(batch)) if active[b]]
+            self.selector.observe_step(time.perf_counter() - clock - verify_s, [trees[b] for b in live],
+                                       [accepted[b].path for b in live])
         return [a.tokens if a else None for a in accepted]
 
     @staticmethod
@@ -141,8 +150,9 @@ class Eagle3Policy:
             out.append(f)
         return tuple(out)
 
-    def _draft(self, run: Run, roots: list[int]):
-        """Builds every request's draft tree (steps 1-2); returns one DraftTree per request."""
+    def _draft(self, run: Run, roots: list[int], active: list[bool]):
+        """Builds every request's draft tree (steps 1-2); returns one DraftTree per request (those of
+        inactive requests are not verified)."""
         c, head = self.config, self.head
         dc = run.extra["draft_cache"]
         B, K = len(roots), c.top_k
@@ -168,5 +178,5 @@ class Eagle3Policy:
             hidden = out.hidden.gather(1, parent.expand(B, K, H))
             seen = seen.gather(1, parent.expand(B, K, S))
         if self.selector is not None:
-            return self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden)
+            return self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden, active)
         return [t.clone() for t in builder.finalize()]

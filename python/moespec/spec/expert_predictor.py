@@ -143,7 +143,8 @@ class ExpertPredictor:
         import torch
 
         x = (torch.cat([parent_hidden.float(), token_embed.float()], dim=-1) - self.mean) / self.std  # [C, D]
-        return torch.einsum("cd,lnd->cln", x, self.weight) + self.bias
+        L, N, D = self.weight.shape
+        return (x @ self.weight.reshape(L * N, D).T).reshape(-1, L, N) + self.bias  # one GEMM
 
     def predict(self, parent_hidden, token_embed, k: int):
         """The k best experts per layer: int64 [C, L, k]."""
@@ -167,19 +168,25 @@ class ExpertPredictor:
             raise ValueError(f"expert predictor: trained for {got[0]} MoE layers x {got[1]} experts on {got[2]} "
                              f"inputs, the target has {want[0]} x {want[1]} on {want[2]} (another target)")
 
-    def save(self, folder: Union[str, Path]) -> Path:
+    def save(self, folder: Union[str, Path], dtype: str = "bf16") -> Path:
+        """Writes predictor.safetensors (the weights in ``dtype``, bf16 or fp32; the small bias and
+        standardisation in fp32: loading computes in fp32) and predictor.json, each atomically."""
+        import torch
         from safetensors.torch import save_file
 
         from moespec.bench.report import write_json_atomic
 
+        if dtype not in ("bf16", "fp32"):
+            raise ValueError(f"expert predictor: dtype must be bf16 or fp32, got {dtype!r}")
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / ".predictor.safetensors.tmp"
-        save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous(), "mean": self.mean.contiguous(),
+        weight = self.weight.to(torch.bfloat16 if dtype == "bf16" else torch.float32).contiguous()
+        save_file({"weight": weight, "bias": self.bias.contiguous(), "mean": self.mean.contiguous(),
                    "std": self.std.contiguous()}, str(tmp))
         tmp.replace(folder / "predictor.safetensors")
         write_json_atomic(folder / "predictor.json", {"format": PREDICTOR_FORMAT, "version": PREDICTOR_VERSION,
-                                                     **self.meta})
+                                                     **self.meta, "dtype": dtype})
         return folder
 
     @staticmethod

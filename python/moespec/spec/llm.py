@@ -72,6 +72,8 @@ class RequestStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
     # per verify step: int32 [MoE layers, 4] (natural unique, kept, re-routed, dropped), batch-wide
     expert_stats: list[torch.Tensor] = field(default_factory=list)
+    # per verify step of a cost-aware tree (eco policies): the selector's expected unique experts [MoE layers]
+    predicted_unique: list[Any] = field(default_factory=list)
     wall_time: float = 0.0  # seconds from the start of the request's batch to its last token
     time_to_first_token: float = 0.0
     prompt_tokens: int = 0
@@ -241,6 +243,8 @@ class LLM:
                 r.stats.acceptance_lengths.append(len(tokens))
                 if run.last_expert_stats is not None:
                     r.stats.expert_stats.append(run.last_expert_stats)
+                if run.last_predicted_unique is not None:
+                    r.stats.predicted_unique.append(run.last_predicted_unique)
                 self._emit(r, tokens, start)
             yield
 

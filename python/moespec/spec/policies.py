@@ -26,6 +26,8 @@ class Run:
     cache: KVCache
     first_tokens: list[int]
     last_expert_stats: Optional[torch.Tensor] = None  # int32 [MoE layers, 4] of the last verify step
+    # float [MoE layers]: the cost-aware selector's expected unique experts of the last verify step (eco policies)
+    last_predicted_unique: Optional[Any] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
