@@ -126,6 +126,25 @@ def test_a_dearer_step_keeps_more_nodes():
                                                      np.zeros((1, C), np.float32), costs, C, step_s=1.0).chosen)
 
 
+def test_acceptance_calibration_learns_an_underconfident_head():
+    """Before any outcome the map is EAGLE-2's exp(s); fed nodes accepted with probability
+    sqrt(exp(s)) (a head that says 0.2 where 0.45 is true) it raises mid-range acceptance, stays
+    increasing (a child never outranks its parent) and keeps -inf."""
+    from moespec.spec.cost_aware import AcceptanceCalibration
+
+    cal = AcceptanceCalibration(refit_every=1)
+    grid = np.log(np.array([0.01, 0.05, 0.1, 0.2, 0.4, 0.7, 0.95]))
+    assert np.allclose(np.exp(cal.log_accept(grid)), np.exp(grid), rtol=1e-5)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        s = np.log(rng.uniform(0.01, 0.9, 64))
+        cal.observe(s, rng.random(64) < np.sqrt(np.exp(s)))
+    a = np.exp(cal.log_accept(grid))
+    assert 0.35 < a[3] < 0.55 and 0.5 < a[4] < 0.75  # true 0.45 and 0.63
+    assert (np.diff(a) > 0).all() and cal.beta > 0
+    assert cal.log_accept([-np.inf])[0] == -np.inf and len(cal.x) == 2560
+
+
 def test_native_selection_names_bad_arguments():
     costs = SelectionCosts(0.0, np.zeros(1))
 

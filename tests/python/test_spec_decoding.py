@@ -43,6 +43,17 @@ def _head(model, seed=0):
     return new_head(model.config, model.weights.embed, None, seed=seed)
 
 
+def _predictor(model, seed=0):
+    """A random expert predictor for ``model`` (the eco policies need one; its quality only changes
+    which drafted nodes are verified)."""
+    from moespec.spec.expert_predictor import ExpertPredictor
+
+    config = model.config if hasattr(model, "config") else mm.load(model, "fp32").config
+    L, N, D = len(config.moe.layers), config.moe.num_experts, 2 * config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    return ExpertPredictor(torch.randn(L, N, D, generator=gen), torch.zeros(L, N), torch.zeros(D), torch.ones(D))
+
+
 def _prompts(n, seed=0, lengths=(5, 9, 3, 12)):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, V, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
@@ -125,6 +136,9 @@ def test_trained_head_is_lossless_and_accepts_more(models, ar_outputs, trained_h
     trained = LLM(model, draft=str(trained_head))
     random = LLM(model, draft=_head(model))
     assert _greedy(trained, prompts) == want["qwen3_moe"]
+    eco = LLM(model, draft=str(trained_head), predictor=_predictor(model),
+              speculative_config=SpeculativeConfig("eco", depth=4, top_k=3, total_tokens=10))
+    assert _greedy(eco, prompts) == want["qwen3_moe"]  # the cost-aware tree with a head that is accepted
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     good = sum(o.stats.mean_acceptance_length for o in trained.generate(prompts, params))
     bad = sum(o.stats.mean_acceptance_length for o in random.generate(prompts, params))
@@ -150,7 +164,7 @@ def tiny_vocab_target(tmp_path_factory):
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True),
                                     SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, ignore_eos=True)])
 def test_sampling_matches_the_targets_distribution(params, tiny_vocab_target):
-    """The first two generated tokens of ``ar`` and of ``eagle3`` sampling (800 seeded samples each,
+    """The first two generated tokens of ``ar``, ``eagle3`` and ``eco`` sampling (800 seeded samples each,
     vocabulary 8: 64 outcomes) against the exact probabilities from the target's own forward, by a
     chi-square goodness-of-fit test (cells expected below 5 pooled). Each policy fails only if its
     p-value is below 1e-4, so an exact sampler fails this test with probability 2e-4."""
@@ -166,11 +180,16 @@ def test_sampling_matches_the_targets_distribution(params, tiny_vocab_target):
     want = want.flatten()
     n = 800
     runs = [dataclasses.replace(params, seed=s) for s in range(n)]
-    for llm in (LLM(model), LLM(model, draft=_head(model), speculative_config=SpeculativeConfig(depth=3, top_k=3))):
+    eco = SpeculativeConfig("eco", depth=3, top_k=3)
+    for llm in (LLM(model), LLM(model, draft=_head(model), speculative_config=SpeculativeConfig(depth=3, top_k=3)),
+                LLM(model, draft=_head(model), predictor=_predictor(model), speculative_config=eco)):
         counts = torch.zeros(64)
-        for o in llm.generate([prompt] * n, runs):
+        outs = llm.generate([prompt] * n, runs)
+        for o in outs:
             x1, x2 = o.outputs[0].token_ids
             counts[x1 * 8 + x2] += 1
+        if llm.speculative_config.policy != "ar":  # drafted tokens were verified and accepted, not only bonus ones
+            assert sum(a > 1 for o in outs for a in o.stats.acceptance_lengths) > n // 10
         expected = want * n
         big = expected >= 5
         assert counts[want == 0].sum() == 0  # never a token of probability 0 (top-p)

@@ -389,7 +389,7 @@ def ensure_predictor(cache: Path, moe_dir: Path, draft_dir: Path, recipe: Recipe
     head = load_eagle3(draft_dir, target)
     X, Y, _ = predictor_samples(target, head, sequences)
     predictor = train_predictor(X, Y, target.config.moe.num_experts, steps=ps.steps, lr=ps.lr, l2=ps.l2, seed=ps.seed,
-                                meta={"recipe": key, "samples": int(len(X)), "corpus": own.name})
+                                meta={"recipe": key, "samples": int(len(X)), "corpus": own.name}, progress=progress)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     predictor.save(partial, "bf16")

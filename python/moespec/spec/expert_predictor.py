@@ -246,9 +246,10 @@ def predictor_samples(target, head, sequences: Sequence[Sequence[int]]):
 
 
 def train_predictor(X, Y: np.ndarray, num_experts: int, *, steps: int = 300, lr: float = 3e-3, l2: float = 1e-4,
-                    seed: int = 0, meta: Optional[dict[str, Any]] = None) -> ExpertPredictor:
+                    seed: int = 0, meta: Optional[dict[str, Any]] = None, progress: bool = False) -> ExpertPredictor:
     """Fits the linear maps by full-batch Adam on the multi-label logistic loss (fp32)."""
     import torch
+    from tqdm import tqdm
 
     if not 1 <= steps <= 100_000:
         raise ValueError(f"expert predictor: steps must be in [1, 100000], got {steps}")
@@ -261,8 +262,8 @@ def train_predictor(X, Y: np.ndarray, num_experts: int, *, steps: int = 300, lr:
     weight = torch.zeros(L, num_experts, X.shape[1], requires_grad=True)
     bias = torch.logit(labels.mean(0).clamp(1e-3, 1 - 1e-3)).clone().requires_grad_(True)
     opt = torch.optim.Adam([weight, bias], lr=lr)
-    for _ in range(steps):
-        logits = torch.einsum("sd,lnd->sln", x, weight) + bias
+    for _ in tqdm(range(steps), desc="train-predictor", disable=not progress, dynamic_ncols=True):
+        logits = (x @ weight.reshape(L * num_experts, -1).T).reshape(S, L, num_experts) + bias
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels) + l2 * (weight**2).sum()
         opt.zero_grad()
         loss.backward()
