@@ -263,11 +263,13 @@ class CostAwareTrees:
     reads the batch's union and emits the batch's tokens). ``predicted_unique`` keeps the last
     step's expected unique experts per layer (sum of the buffer), for the expert statistics.
 
-    Two things are learned from the steps (:meth:`observe_step`): the part of a step besides its
-    verify pass (draft, acceptance, catch-up: Python and small kernels the roofline does not see),
-    an exponential average (weight ``smoothing`` for the newest step) that S starts from; and the
-    head's calibration (:class:`AcceptanceCalibration`), which turns scores into a(c). Only which
-    drafted nodes are verified depends on them, never the output."""
+    What is learned from the steps (:meth:`observe_step`, :meth:`observe_level`): the part of a
+    step besides its verify pass (draft, acceptance, catch-up: Python and small kernels the roofline
+    does not see) and the time of one draft level, exponential averages (weight ``smoothing`` for
+    the newest step); S starts from the first; and the head's calibration
+    (:class:`AcceptanceCalibration`), which turns scores into a(c). With them the draft stops early
+    when a deeper level cannot pay (:meth:`worth_expanding`). Only which drafted nodes are verified
+    depends on them, never the output."""
 
     def __init__(self, target, predictor, pricer: StepPricer, total_tokens: int, keep: Optional[int] = None,
                  smoothing: float = 0.2):
@@ -277,8 +279,29 @@ class CostAwareTrees:
         self.keep = keep or min(moe.num_experts, 2 * moe.top_k)
         self.smoothing = smoothing
         self.rest_s: Optional[float] = None  # measured seconds of a step besides its verify pass (average)
+        self.level_s: Optional[float] = None  # measured seconds of one draft level (average)
+        self.rate: Optional[float] = None  # S / A when the last step's selection began
         self.calibration = AcceptanceCalibration()
         self.predicted_unique: Optional[np.ndarray] = None  # [L] of the last step
+
+    def observe_level(self, seconds: float) -> None:
+        """Records one draft level's seconds (head forward, top-k and expansion)."""
+        self.level_s = seconds if self.level_s is None else (1 - self.smoothing) * self.level_s + self.smoothing * seconds
+
+    def worth_expanding(self, frontier_scores, active: Sequence[bool]) -> bool:
+        """Whether one more draft level can pay, at the last step's opening S / A: its children are
+        at most as likely as their parents (the frontier, [B, K] cumulative log-probs), so the level
+        is skipped when no child can pay its token (rate x max a <= token_s: exact, the selection
+        would take none of them) or all of them together cannot pay the level's measured time and a
+        token (rate x sum a <= level_s + token_s). Always True until both have been measured."""
+        if self.rate is None or self.level_s is None:
+            return True
+        live = np.flatnonzero(np.asarray(active, dtype=bool))
+        if len(live) == 0:
+            return False
+        a = np.exp(self.calibration.log_accept(frontier_scores[live].numpy()).astype(np.float64))
+        token_s = self.pricer.costs.token_s
+        return bool(self.rate * a.max() > token_s and self.rate * a.sum() > self.level_s + token_s)
 
     def observe_step(self, rest_s: float, trees: Sequence = (), paths: Sequence = ()) -> None:
         """Records one step: its seconds besides its verify pass, and per verified tree (DraftTree)
@@ -309,6 +332,7 @@ class CostAwareTrees:
         buffer = np.zeros((L, N), dtype=np.float32)
         add_to_buffer(buffer, root_ids[live].numpy(), root_p[live].numpy())
         step_s, accepted = self.pricer.base_s(max(len(live), 1), buffer, self.rest_s), float(max(len(live), 1))
+        self.rate = step_s / accepted
         out = []
         for b in range(B):
             cands = builder.candidates(b)

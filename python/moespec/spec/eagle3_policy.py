@@ -166,6 +166,9 @@ class Eagle3Policy:
         S = int(n.max()) + (c.depth - 1) * K
         seen = (torch.arange(S)[None, :] < n[:, None])[:, None, :].expand(B, K, S).clone()  # [B, K, S]
         for d in range(1, c.depth):
+            if self.selector is not None and not self.selector.worth_expanding(frontier.scores, active):
+                break  # no node of a deeper level can pay for it (the eco policies)
+            level_start = time.perf_counter()
             own = n[:, None] + (d - 1) * K + torch.arange(K)[None, :]  # [B, K] scratch slots
             seen.scatter_(2, own[:, :, None], True)  # each node sees itself
             out = head(dc, frontier.tokens.clone(), hidden, positions=(n - 1 + d)[:, None].expand(B, K), slots=own,
@@ -175,6 +178,7 @@ class Eagle3Policy:
             parent = frontier.parent_slot.long()[:, :, None]  # [B, K, 1]
             if self.selector is not None:
                 level_hidden.append(out.hidden)
+                self.selector.observe_level(time.perf_counter() - level_start)
             hidden = out.hidden.gather(1, parent.expand(B, K, H))
             seen = seen.gather(1, parent.expand(B, K, S))
         if self.selector is not None:

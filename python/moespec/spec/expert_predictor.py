@@ -125,6 +125,7 @@ class ExpertPredictor:
         self.mean = torch.as_tensor(mean, dtype=torch.float32)  # [D]
         self.std = torch.as_tensor(std, dtype=torch.float32)  # [D]
         self.meta = dict(meta or {})
+        self._weight_bf16 = None  # [L N, D], made on first use
         L, N, D = self.weight.shape
         if self.bias.shape != (L, N) or self.mean.shape != (D,) or self.std.shape != (D,):
             raise ValueError(f"expert predictor: inconsistent shapes weight {tuple(self.weight.shape)}, bias "
@@ -139,12 +140,21 @@ class ExpertPredictor:
         return int(self.weight.shape[1])
 
     def scores(self, parent_hidden, token_embed):
-        """parent_hidden, token_embed [C, H] -> expert logits float32 [C, L, N]."""
+        """parent_hidden, token_embed [C, H] -> expert logits float32 [C, L, N] (up to
+        NATIVE_MAX_ROWS rows with bf16 weights and inputs, fp32 accumulation; above, in fp32)."""
         import torch
+
+        from moespec.ops.linear import NATIVE_MAX_ROWS, linear
 
         x = (torch.cat([parent_hidden.float(), token_embed.float()], dim=-1) - self.mean) / self.std  # [C, D]
         L, N, D = self.weight.shape
-        return (x @ self.weight.reshape(L * N, D).T).reshape(-1, L, N) + self.bias  # one GEMM
+        if x.shape[0] <= NATIVE_MAX_ROWS:  # a draft tree's nodes: the native bf16 kernel reads the weights once
+            if self._weight_bf16 is None:
+                self._weight_bf16 = self.weight.reshape(L * N, D).to(torch.bfloat16).contiguous()  # [L N, D]
+            logits = linear(x.to(torch.bfloat16), self._weight_bf16).float()
+        else:  # training-sized batches: one fp32 GEMM
+            logits = x @ self.weight.reshape(L * N, D).T
+        return logits.reshape(-1, L, N) + self.bias
 
     def predict(self, parent_hidden, token_embed, k: int):
         """The k best experts per layer: int64 [C, L, k]."""
