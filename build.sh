@@ -11,8 +11,8 @@
 #   ./build.sh test     build the native code as needed (not the default engine, which no test
 #                       needs), then run the C++ tests (ctest) and pytest; exits non-zero on any
 #                       failure (CI runs exactly this)
-#   ./build.sh bench    ./build.sh, then `moespec bench compare` of ar, eagle3 and eagle3+budget
-#                       policies on the default engine over held-out MT-Bench, HumanEval and GSM8K
+#   ./build.sh bench    ./build.sh, then `moespec bench compare` of ar, eagle3, eagle3+budget, eco
+#                       and eco+budget on the default engine over held-out MT-Bench, HumanEval and GSM8K
 #                       prompts (report and plots in build/bench/compare)
 #
 # Environment: CUDA_ARCHS (default "80;90a"), TensorRT_ROOT, MOESPEC_CUDA=ON|OFF (default: auto),
@@ -101,10 +101,14 @@ run_bench() {
   log "benchmark dataset: held-out MT-Bench, HumanEval and GSM8K prompts (the head never trained on them)"
   "$VENV/bin/moespec" prepare-dataset --out "$out/default-mix.jsonl" --tokenizer "$engine/tokenizer" \
     mix --split held --num-requests "${BENCH_REQUESTS:-9}" --output-tokens "${BENCH_OUTPUT_TOKENS:-64}"
+  if [ ! -f "$out/hardware.json" ]; then
+    log "hardware profile of this machine (prices the eco policies' trees; once, ~15 s)"
+    "$VENV/bin/moespec" analyze profile --engine "$engine" --out "$out/hardware.json"
+  fi
   log "moespec bench compare (policies interleaved request by request)"
-  "$VENV/bin/moespec" bench compare --engine "$engine" --dataset "$out/default-mix.jsonl" \
-    --policies "${BENCH_POLICIES:-ar,eagle3,eagle3+budget:24,eagle3+budget:16,eagle3+budget:12}" \
-    --out-dir "$out/compare"
+  MOESPEC_HARDWARE="$out/hardware.json" "$VENV/bin/moespec" bench compare --engine "$engine" \
+    --dataset "$out/default-mix.jsonl" --out-dir "$out/compare" \
+    --policies "${BENCH_POLICIES:-ar,eagle3,eagle3+budget:24,eagle3+budget:16,eagle3+budget:12,eco,eco+budget:16}"
 }
 
 run_tests() {

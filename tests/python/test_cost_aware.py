@@ -245,3 +245,51 @@ def test_eco_policies_are_lossless_and_need_a_predictor(tmp_path):
     with pytest.raises(ValueError, match="is dense"):
         LLM(dense, draft=_head_folder(tmp_path / "dense_draft", mm.load(dense, "bf16")),
             speculative_config=SpeculativeConfig("eco"))
+
+
+def test_the_draft_stops_when_a_deeper_level_cannot_pay():
+    """worth_expanding at S / A = 50 ms, a draft level of 4 ms and a token of 2 ms: a frontier whose
+    best node's children cannot pay their token, or whose nodes together cannot pay the level, stops
+    the draft; inactive requests do not count; nothing stops before both times are measured."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moespec.spec.cost_aware import CostAwareTrees
+
+    target = SimpleNamespace(config=SimpleNamespace(moe=SimpleNamespace(num_experts=8, top_k=2)))
+    predictor = SimpleNamespace(check_target=lambda config: None)
+    trees = CostAwareTrees(target, predictor, SimpleNamespace(costs=SelectionCosts(0.002, np.zeros(1))), 8)
+
+    def worth(*rows, active=None):
+        scores = torch.log(torch.tensor(rows, dtype=torch.float32))
+        return trees.worth_expanding(scores, [True] * len(rows) if active is None else active)
+
+    assert worth([0.01, 0.01])  # nothing measured yet
+    trees.rate, trees.level_s = 0.05, 0.004
+    assert worth([0.5, 0.1])
+    assert not worth([0.03, 0.01])  # 50 ms x 0.03 < 2 ms: no child pays its token
+    assert not worth([0.05, 0.05])  # each child might pay its token, all together not the level
+    assert not worth([0.03, 0.01], [0.9, 0.9], active=[True, False])
+    assert worth([0.03, 0.01], [0.9, 0.9], active=[False, True])
+
+
+def test_predictor_scores_native_bf16_equal_fp32_within_rounding():
+    """Tree-sized inputs go through the native bf16 linear; their logits equal the plain fp32 ones
+    within bf16 rounding, and the top experts agree wherever the margin exceeds it."""
+    import torch
+
+    from moespec.spec.expert_predictor import ExpertPredictor
+
+    gen = torch.Generator().manual_seed(0)
+    L, N, H = 3, 16, 24
+    predictor = ExpertPredictor(torch.randn(L, N, 2 * H, generator=gen) * 0.2, torch.randn(L, N, generator=gen),
+                                torch.randn(2 * H, generator=gen), torch.rand(2 * H, generator=gen) + 0.5)
+    h, e = torch.randn(70, H, generator=gen), torch.randn(70, H, generator=gen)
+    small = predictor.scores(h[:20], e[:20])  # native bf16
+    exact = predictor.scores(h, e)[:20]  # 70 rows: fp32
+    x = (torch.cat([h[:20], e[:20]], -1) - predictor.mean) / predictor.std
+    want = torch.einsum("cd,lnd->cln", x, predictor.weight) + predictor.bias  # plain torch
+    assert torch.allclose(exact, want, atol=1e-4)
+    scale = x.abs().sum(-1).max() * predictor.weight.abs().max()
+    assert (small - want).abs().max() <= 0.02 * scale
