@@ -62,7 +62,8 @@ def pareto_plot(rows: Sequence[dict[str, Any]], path: Union[str, Path], *, basel
 
 def experts_plot(rows: Sequence[dict[str, Any]], layers: dict[str, Sequence[float]], path: Union[str, Path]) -> Path:
     """Left: mean kept (filled) and natural (outlined) unique experts per layer per verify step by
-    policy (hatched: estimated, for policies whose steps are not recorded). Right: ``layers[label]``,
+    policy (hatched: estimated, for policies whose steps are not recorded; a cross: the cost-aware
+    selector's prediction, eco policies). Right: ``layers[label]``,
     each MoE layer's mean kept unique experts, one line per policy that recorded them."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.2))
@@ -76,6 +77,10 @@ def experts_plot(rows: Sequence[dict[str, Any]], layers: dict[str, Sequence[floa
     if estimated:
         left.bar(estimated, [kept[i] for i in estimated], width=0.6, color="white", edgecolor="tab:blue", hatch="//",
                  label="kept (estimated)")
+    guessed = [i for i, r in enumerate(rows) if r.get("predicted_unique_per_layer") is not None]
+    if guessed:
+        left.scatter(guessed, [rows[i]["predicted_unique_per_layer"] for i in guessed], marker="x", color="tab:red",
+                     zorder=3, label="predicted (eco)")
     left.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     left.set_ylabel("unique experts per MoE layer per step")
     left.set_title("Mean over layers and steps")
