@@ -1,6 +1,6 @@
 """The ``moespec`` command line: ``moespec generate``, ``moespec build`` and ``moespec train-draft``.
 
-    moespec generate --model <folder> [--draft <EAGLE-3 folder>] [--policy ar|eagle3|eagle3+budget]
+    moespec generate --model <folder> [--draft <EAGLE-3 folder>] [--policy ar|eagle3|eagle3+budget|eco|eco+budget]
                      [--budget B] [--depth D] [--top-k K] [--total-tokens M] [--dtype bf16|fp32]
                      [--max-tokens N] [--temperature T] [--top-p P] [--top-k-sampling K] [--seed S]
                      [--stream] (--prompt TEXT | --prompt-ids 1,2,3) ...

@@ -241,6 +241,13 @@ def test_eco_policies_are_lossless_and_need_a_predictor(tmp_path):
     plain = build_engine(src, tmp_path / "plain", draft=draft, progress=False).folder
     with pytest.raises(ValueError, match="needs an expert predictor"):
         LLM(plain, speculative_config=SpeculativeConfig("eco"))
+    with pytest.raises(ValueError, match="needs an expert predictor"):
+        build_engine(src, tmp_path / "eco-without", draft=draft, speculation={"policy": "eco"}, progress=False)
+    eco_engine = build_engine(src, tmp_path / "eco-engine", draft=draft, predictor=tmp_path / "p", progress=False,
+                              speculation={"policy": "eco", "depth": 3, "top_k": 3, "total_tokens": 6}).folder
+    default = LLM(eco_engine)  # the engine's default policy
+    assert default.speculative_config.policy == "eco"
+    assert [o.outputs[0].token_ids for o in default.generate(prompts, params)] == want
     dense = write_checkpoint("llama", tmp_path / "llama")
     with pytest.raises(ValueError, match="is dense"):
         LLM(dense, draft=_head_folder(tmp_path / "dense_draft", mm.load(dense, "bf16")),

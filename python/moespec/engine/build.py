@@ -109,6 +109,11 @@ def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union
             raise ValueError("build: the model config does not survive the JSON round trip (update "
                              "moespec.engine.folder.config_to_dict)")
         spec = _speculation(spec_args, draft_path is not None, config)
+        from moespec.config import policy_spec
+
+        if policy_spec(spec["policy"]).selector == "cost_aware" and predictor is None:
+            raise ValueError(f"--policy {spec['policy']} needs an expert predictor: pass --predictor <folder> "
+                             "(moespec analyze predictor --engine ... --out <folder>)")
         draft_entry = _write_draft(draft_path, target, tmp / DRAFT, dtype) if draft_path is not None else None
         predictor_entry = _copy_predictor(predictor, target, tmp / PREDICTOR) if predictor is not None else None
         tensors = flatten(config, target.weights)

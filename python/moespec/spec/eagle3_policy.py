@@ -150,9 +150,10 @@ class Eagle3Policy:
             out.append(f)
         return tuple(out)
 
-    def _draft(self, run: Run, roots: list[int], active: list[bool]):
+    def _draft(self, run: Run, roots: list[int], active: Optional[list[bool]] = None):
         """Builds every request's draft tree (steps 1-2); returns one DraftTree per request (those of
-        inactive requests are not verified)."""
+        inactive requests are not verified; default: all active)."""
+        active = [True] * len(roots) if active is None else active
         c, head = self.config, self.head
         dc = run.extra["draft_cache"]
         B, K = len(roots), c.top_k
