@@ -115,6 +115,15 @@ class Recipe:
                            "seed": self.seed}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
+    def self_distill_key(self) -> str:
+        """The hash of what shapes the self-distilled corpus (the MoE, the generation settings and the
+        head's seed, which seeds the prompts' order and the sampling; not the training settings)."""
+        h = self.head
+        gen = {k: v for k, v in asdict(h).items() if k.startswith("self_distill_")} | {"seed": h.seed}
+        blob = json.dumps({"version": RECIPE_VERSION, "derive": asdict(self.derive), "seed": self.seed,
+                           "self_distill": gen}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
     def predictor_key(self) -> str:
         """The hash of what shapes the expert predictor (the head's key and the predictor settings)."""
         blob = json.dumps({"version": RECIPE_VERSION, "draft": self.draft_key(), "predictor": asdict(self.predictor)},
@@ -348,9 +357,10 @@ def ensure_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = 
 
 
 def ensure_self_distilled(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool = True) -> Path:
-    """The MoE's own continuations ``cache/draft-self-<draft key>.jsonl``, written if absent."""
+    """The MoE's own continuations ``cache/self-distilled-<self-distill key>.jsonl``, written if absent
+    (a head trained longer on the same continuations reuses them)."""
     h = recipe.head
-    own = cache / f"draft-self-{recipe.draft_key()}.jsonl"
+    own = cache / f"self-distilled-{recipe.self_distill_key()}.jsonl"
     if not own.is_file():
         _log(f"the MoE continues {h.self_distill_prompts} fitting prompts ({h.self_distill_tokens} tokens each)")
         counts = write_self_distilled_corpus(own, moe_dir, cache, recipe, progress=progress)
