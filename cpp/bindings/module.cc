@@ -74,7 +74,8 @@ void route_experts_binding(const py::object& router_logits, const py::object& bi
 
 void moe_experts_binding(const py::object& x, const py::object& ids, const py::object& weights,
                          const py::object& experts, const py::object& biases, const py::object& out,
-                         int64_t intermediate_size, int activation, float limit, float alpha) {
+                         int64_t intermediate_size, int activation, float limit, float alpha,
+                         const py::object& workspace, uintptr_t stream) {
   MoeExpertsArgs a;
   a.x = to_view(x, "x");
   a.ids = to_view(ids, "ids");
@@ -88,7 +89,15 @@ void moe_experts_binding(const py::object& x, const py::object& ids, const py::o
   a.activation = static_cast<ExpertActivation>(activation);
   a.limit = limit;
   a.alpha = alpha;
-  MOESPEC_CHECK_ARG(a.x.device == Device::kCPU, "x", "moe_experts runs on the CPU, got ", a.x.describe());
+  if (a.x.device == Device::kCUDA) {
+    TensorView ws = to_view(workspace, "workspace");
+    check_not_null(ws, "workspace");
+    check_device(ws, "workspace", Device::kCUDA, a.x.device_index);
+    const std::size_t bytes = static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype);
+    py::gil_scoped_release release;
+    cuda::moe_experts(a, ws.data, bytes, reinterpret_cast<void*>(stream));
+    return;
+  }
   py::gil_scoped_release release;
   cpu::moe_experts(a);
 }
@@ -146,9 +155,18 @@ PYBIND11_MODULE(_native, m) {
       "ISAs this CPU can run, best last.");
   m.def("moe_experts", &moe_experts_binding,
         "MoE experts over a routing: x [T, H], ids int32 [T, K], weights f32 [T, K], experts [E, 3 I H] "
-        "(+ biases f32 [E, 2 I + H] for gpt_oss) -> out [T, H], written into the given output.",
+        "(+ biases f32 [E, 2 I + H] for gpt_oss) -> out [T, H], written into the given output; CUDA tensors "
+        "take a workspace of moe_experts_workspace_size bytes and the stream.",
         py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("experts"), py::arg("biases"), py::arg("out"),
-        py::arg("intermediate_size"), py::arg("activation"), py::arg("limit"), py::arg("alpha"));
+        py::arg("intermediate_size"), py::arg("activation"), py::arg("limit"), py::arg("alpha"),
+        py::arg("workspace") = py::none(), py::arg("stream") = 0);
+  m.def(
+      "moe_experts_workspace_size",
+      [](int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, int dtype) {
+        return cuda::moe_experts_workspace_size(T, K, E, H, I, static_cast<DType>(dtype));
+      },
+      "Bytes of CUDA scratch moe_experts needs (T tokens, K slots, E experts, H hidden, I intermediate, dtype code).",
+      py::arg("T"), py::arg("K"), py::arg("E"), py::arg("H"), py::arg("I"), py::arg("dtype"));
   m.def("linear", &linear_binding,
         "Dense projection at decode/verify sizes: x [T, K], weight [N, K] (+ bias [N]) -> out [T, N], written "
         "into the given output.",

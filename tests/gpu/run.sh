@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: build moespec with its CUDA kernels, run the C++
-# tests, the GPU tests (CUDA against the CPU reference, tests/gpu/test_*.py), the timing table
-# of route_experts (tests/gpu/bench_route_experts_cuda.py) and the GPU's hardware profile for
+# tests, the GPU tests (CUDA against the CPU reference, tests/gpu/test_*.py), the timing tables
+# of route_experts and moe_experts (tests/gpu/bench_*_cuda.py) and the GPU's hardware profile for
 # `moespec analyze` (tests/gpu/measure_profile.py -> tests/gpu/profiles/<name>.json; commit it).
 # DESIGN.md "What can run where".
 #
@@ -39,6 +39,9 @@ PYTHONPATH=python "$PY" -m pytest -q tests/gpu 2>&1 | tee -a "$LOGS/pytest.log" 
 
 log "timing (tests/gpu/bench_route_experts_cuda.py) -> $LOGS/bench.log"
 PYTHONPATH=python "$PY" tests/gpu/bench_route_experts_cuda.py 2>&1 | tee "$LOGS/bench.log" || status=1
+
+log "timing (tests/gpu/bench_moe_experts_cuda.py) -> $LOGS/bench_moe.log"
+PYTHONPATH=python "$PY" tests/gpu/bench_moe_experts_cuda.py 2>&1 | tee "$LOGS/bench_moe.log" || status=1
 
 log "hardware profile for moespec analyze (tests/gpu/measure_profile.py) -> $LOGS/profile.log"
 "$PY" tests/gpu/measure_profile.py 2>&1 | tee "$LOGS/profile.log" || status=1

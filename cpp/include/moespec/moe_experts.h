@@ -33,6 +33,7 @@
 // Dimensions: T tokens, H hidden, I expert intermediate size, E experts, K top-k.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "moespec/tensor_view.h"
@@ -66,5 +67,23 @@ namespace cpu {
 // Runs on the CPU ISA chosen by cpu_isa.h (MOESPEC_CPU_ISA forces one) and the thread pool.
 void moe_experts(const MoeExpertsArgs& args);
 }  // namespace cpu
+
+// The most experts the CUDA kernel groups (one block holds a count per expert).
+constexpr int64_t kMaxMoeExperts = 1024;
+
+namespace cuda {
+// Bytes of device scratch memory moe_experts needs for T tokens, K slots, E experts, H hidden, I
+// intermediate, weights of `dtype`: O(E + T K (H + I)), bounded by the call's own tensors.
+std::size_t moe_experts_workspace_size(int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, DType dtype);
+
+// The same contract on CUDA tensors (cpp/kernels/moe_experts.cu): one fixed launch sequence on
+// `stream` (a cudaStream_t), no host synchronisation, no allocation (`workspace`: the bytes above,
+// 16-byte aligned, on the same device), so it can be captured in a CUDA graph. Differences from
+// the CPU: ids outside [0, E] cannot throw without a host sync: they are dropped and counted in
+// the workspace's error word; E <= kMaxMoeExperts and K <= 64. Results agree with the CPU op within
+// its SIMD tolerances (sums in another order), deterministically. Throws Error(kRuntime) when
+// moespec was built without CUDA.
+void moe_experts(const MoeExpertsArgs& args, void* workspace, std::size_t workspace_bytes, void* stream);
+}  // namespace cuda
 
 }  // namespace moespec

@@ -12,8 +12,8 @@ from typing import Literal, Optional
 
 import torch
 
-from moespec._loader import native
-from moespec._tensor import view
+from moespec._loader import native, require_cuda
+from moespec._tensor import DTYPE_CODES, view
 
 Activation = Literal["swiglu", "gpt_oss"]
 _ACTIVATION_CODES = {"swiglu": 0, "gpt_oss": 1}
@@ -24,11 +24,20 @@ def _moe_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       alpha: float) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-d tensor [T, H], got shape {tuple(x.shape)}")
-    if x.device.type != "cpu":
-        raise ValueError(f"x: moe_experts runs on the CPU (the GPU kernel is not built yet), got {x.device}")
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    workspace, stream = None, 0
+    if x.device.type == "cuda":  # cpp/kernels/moe_experts.cu: scratch from torch's allocator, the current stream
+        require_cuda()
+        nbytes = native().moe_experts_workspace_size(x.shape[0], ids.shape[-1] if ids.dim() == 2 else 0,
+                                                     experts.shape[0], x.shape[1], intermediate_size,
+                                                     DTYPE_CODES.get(x.dtype, 0))
+        workspace = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=x.device)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+    elif x.device.type != "cpu":
+        raise ValueError(f"x: moe_experts runs on the CPU or CUDA, got {x.device}")
     native().moe_experts(view(x, "x"), view(ids, "ids"), view(weights, "weights"), view(experts, "experts"),
-                         view(biases, "biases"), view(out, "out"), intermediate_size, activation, limit, alpha)
+                         view(biases, "biases"), view(out, "out"), intermediate_size, activation, limit, alpha,
+                         view(workspace, "workspace"), stream)
     return out
 
 

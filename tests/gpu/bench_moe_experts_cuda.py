@@ -1,0 +1,162 @@
+"""Timing of moe_experts on CUDA (cpp/kernels/moe_experts.cu) at real MoE layer shapes, for
+tests/gpu/run.sh: per shape and T in {1, 4, 16, 64}, the active experts swept from top-k to E;
+time per call (a CUDA graph of 20 calls, replayed), achieved bandwidth (expert bytes read / time)
+against a device-to-device copy measured in the same run (bytes read + written / time), the best
+torch path (torch._grouped_mm where this torch has it, else a per-expert loop of F.linear) and the
+linearity of time in active experts (R^2 of a least-squares line). Writes
+$OUT/moe_experts_bench.json when OUT is set. Targets (issue "GPU runtime"): at T <= 16, >= 70% of
+the copy bandwidth, >= 1.5x the best torch path, R^2 >= 0.98.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python"))
+
+from moespec.ops import moe_experts  # noqa: E402
+
+CUDA = torch.device("cuda")
+SHAPES = {  # name: (H, I, E, top-k), from the published configs
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "olmoe-1b-7b": (2048, 1024, 64, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+}
+TOKENS = (1, 4, 16, 64)
+CALLS = 20
+
+
+def graph_time(fn, calls: int = CALLS, replays: int = 5) -> float:
+    """Seconds per call of ``fn`` captured ``calls`` times in one CUDA graph (median of replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=CUDA)
+    dst = torch.empty_like(src)
+    t = graph_time(lambda: dst.copy_(src), calls=5)
+    return 2 * nbytes / t / 1e9  # GB/s read + written
+
+
+def routing(T: int, K: int, active: int, E: int):
+    """ids [T, K] using exactly min(active, T K) experts (spread round robin, distinct within a token)."""
+    experts = torch.randperm(E, generator=torch.Generator().manual_seed(active))[:active]
+    slots = torch.arange(T * K) % active
+    ids = experts[slots].reshape(T, K).to(torch.int32)
+    return ids.to(CUDA), torch.full((T, K), 1.0 / K, device=CUDA)
+
+
+def torch_loop(x, ids, weights, gate, up, down):
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for e in torch.unique(ids).tolist():  # (a host sync: the torch path's cost, as users run it)
+        token, slot = torch.where(ids == e)
+        h = F.silu(F.linear(x[token], gate[e])) * F.linear(x[token], up[e])
+        out.index_add_(0, token, F.linear(h, down[e]).float() * weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    copy = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}: device copy {copy:.0f} GB/s (read + write)")
+    rows = []
+    grouped = hasattr(torch, "_grouped_mm")
+    for name, (H, I, E, K) in SHAPES.items():
+        experts = (torch.randn(E, 3 * I * H, device=CUDA, dtype=torch.bfloat16) / H**0.5)
+        blocks = experts.view(E, 3, I * H)
+        gate, up, down = blocks[:, 0].view(E, I, H), blocks[:, 1].view(E, I, H), blocks[:, 2].view(E, H, I)
+        per_expert = 3 * I * H * 2
+        for T in TOKENS:
+            x = torch.randn(T, H, device=CUDA, dtype=torch.bfloat16)
+            sweep = sorted({min(a, T * K, E) for a in (K, 2 * K, 4 * K, 8 * K, 16 * K, E)})
+            times = []
+            for active in sweep:
+                ids, weights = routing(T, K, active, E)
+                t = graph_time(lambda: moe_experts(x, ids, weights, experts, I))
+                ref_ids, ref_w = ids, weights
+                torch.cuda.synchronize()
+                loop = sorted(_wall(lambda: torch_loop(x, ref_ids, ref_w, gate, up, down)) for _ in range(5))[2]
+                best_torch = loop
+                if grouped:
+                    try:
+                        best_torch = min(best_torch, _grouped_time(x, ids, gate, up, down))
+                    except Exception as exc:  # noqa: BLE001 (an older torch without this layout)
+                        print(f"  torch._grouped_mm unavailable here: {exc}")
+                        grouped = False
+                bw = active * per_expert / t / 1e9
+                rows.append({"shape": name, "T": T, "active": active, "us": t * 1e6, "GBps": bw,
+                             "of_copy": bw / copy, "torch_us": best_torch * 1e6, "x_torch": best_torch / t})
+                times.append((active, t))
+                print(f"{name:14s} T={T:3d} active={active:4d}: {t * 1e6:8.1f} us  {bw:7.0f} GB/s "
+                      f"({100 * bw / copy:5.1f}% of copy)  torch {best_torch * 1e6:8.1f} us ({best_torch / t:5.2f}x)")
+            if len(times) >= 3:
+                a = torch.tensor([p[0] for p in times], dtype=torch.float64)
+                y = torch.tensor([p[1] for p in times], dtype=torch.float64)
+                A = torch.stack([a, torch.ones_like(a)], 1)
+                coef = torch.linalg.lstsq(A, y[:, None]).solution[:, 0]
+                r2 = 1 - float(((y - A @ coef) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+                print(f"{name:14s} T={T:3d} linear in active experts: R^2 = {r2:.4f}")
+                rows.append({"shape": name, "T": T, "r2": r2})
+    out = os.environ.get("OUT")
+    if out:
+        path = pathlib.Path(out) / "moe_experts_bench.json"
+        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows},
+                                   indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+def _wall(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _grouped_time(x, ids, gate, up, down) -> float:
+    """torch._grouped_mm over the slots sorted by expert (gate/up, then down), timed eagerly."""
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    E = gate.shape[0]
+    counts = torch.bincount(flat, minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x.repeat_interleave(ids.shape[1], 0)[order]
+    wg, wu, wd = gate.transpose(1, 2).contiguous(), up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+
+    def run():
+        h = F.silu(torch._grouped_mm(xs, wg, offs=offs)) * torch._grouped_mm(xs, wu, offs=offs)
+        return torch._grouped_mm(h, wd, offs=offs)
+
+    run()
+    return sorted(_wall(run) for _ in range(5))[2]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

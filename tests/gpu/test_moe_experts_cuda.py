@@ -1,0 +1,129 @@
+"""moe_experts on CUDA (cpp/kernels/moe_experts.cu) against the CPU op (cpp/src/moe_experts.cc) and
+the plain-torch reference (moespec.ops.reference.moe_experts_reference).
+
+The CUDA kernel sums each dot product in the warp's order, not the CPU's, so outputs are compared
+within the CPU's own SIMD tolerances (cpp/include/moespec/moe_experts.h, "Precision"): a relative
+1e-5 (fp32) / 4e-3 (bf16) of the output scale max |out|, plus for bf16 one bf16 ulp of the value.
+Also: the 16-byte path and the scalar fallback (H not a multiple of 8, a misaligned x), dropped
+(id E) and zero-weight slots, repeated ids, an unused expert full of NaN (never read), T = 0,
+determinism (two calls bit-identical) and a CUDA-graph replay equal to the eager call. Seeds are
+fixed so that a failure reproduces. Skipped without a CUDA device or a CUDA build.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT / "python") not in sys.path:  # as tests/python/conftest.py: the source tree's moespec
+    sys.path.insert(0, str(ROOT / "python"))
+
+from moespec._loader import native  # noqa: E402
+
+if not native().cuda_available():
+    pytest.skip("moespec was built without CUDA kernels (configure with -DMOESPEC_CUDA=ON)",
+                allow_module_level=True)
+
+from moespec.ops import moe_experts  # noqa: E402
+from moespec.ops.reference import moe_experts_reference  # noqa: E402
+
+CUDA = torch.device("cuda")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
+
+
+def make(T, H, I, E, K, dtype, seed, *, drop=0.1, zero=0.1, repeats=False):
+    """x [T, H], ids [T, K] (some E: dropped), weights [T, K] (some 0), experts [E, 3 I H] (CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    experts = (torch.randn(E, 3 * I * H, generator=gen) / H**0.5).to(dtype)
+    if repeats:
+        ids = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32) if T else \
+            torch.zeros(0, K, dtype=torch.int32)
+    weights = torch.rand(T, K, generator=gen)
+    ids[torch.rand(T, K, generator=gen) < drop] = E
+    weights[torch.rand(T, K, generator=gen) < zero] = 0.0
+    return x, ids, weights, experts
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, where: str) -> None:
+    got, want = got.float().cpu(), want.float()
+    scale = max(float(want.abs().max()) if want.numel() else 0.0, 1e-30)
+    bound = TOL[dtype] * scale
+    if dtype == torch.bfloat16:
+        bound = bound + want.abs() * 2.0**-8  # one bf16 ulp of the value
+    err = (got - want).abs()
+    assert bool((err <= bound).all()), f"{where}: max error {float(err.max())} (scale {scale})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,I,E,K", [(1, 64, 32, 8, 2), (5, 128, 64, 16, 4), (16, 256, 96, 32, 8),
+                                       (64, 512, 128, 64, 8), (3, 36, 20, 6, 3)])  # the last: scalar path
+def test_swiglu_matches_the_cpu_op(T, H, I, E, K, dtype):
+    x, ids, weights, experts = make(T, H, I, E, K, dtype, seed=T * 7 + E)
+    want = moe_experts(x, ids, weights, experts, I)
+    got = moe_experts(x.to(CUDA), ids.to(CUDA), weights.to(CUDA), experts.to(CUDA), I)
+    assert got.device.type == "cuda" and got.dtype == dtype and got.shape == (T, H)
+    assert_close(got, want, dtype, f"swiglu T={T} H={H} I={I} E={E} K={K} {dtype}")
+    ref = moe_experts_reference(x, ids, weights, experts, I)
+    assert_close(got, ref, dtype, "against the plain-torch reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_with_biases_matches_the_cpu_op(dtype):
+    T, H, I, E, K = 9, 128, 64, 16, 4
+    x, ids, weights, experts = make(T, H, I, E, K, dtype, seed=3)
+    biases = torch.randn(E, 2 * I + H, generator=torch.Generator().manual_seed(4))
+    kw = dict(activation="gpt_oss", biases=biases, limit=1.5, alpha=1.702)
+    want = moe_experts(x, ids, weights, experts, I, **kw)
+    got = moe_experts(x.to(CUDA), ids.to(CUDA), weights.to(CUDA), experts.to(CUDA), I,
+                      **{**kw, "biases": biases.to(CUDA)})
+    assert_close(got, want, dtype, f"gpt_oss {dtype}")
+
+
+def test_repeats_unused_nan_expert_misaligned_x_and_empty_batch():
+    T, H, I, E, K = 12, 128, 64, 8, 4
+    x, ids, weights, experts = make(T, H, I, E, K, torch.bfloat16, seed=5, repeats=True)
+    ids[ids == 7] = 6  # expert 7 unused ...
+    experts[7] = float("nan")  # ... and poisoned: it must never be read
+    want = moe_experts(x, ids, weights, experts, I)
+    big = torch.zeros(T, H + 1, dtype=torch.bfloat16, device=CUDA)
+    big[:, 1:] = x.to(CUDA)  # rows 2 bytes off 16-byte alignment: the scalar path
+    args = (ids.to(CUDA), weights.to(CUDA), experts.to(CUDA), I)
+    for xin in (x.to(CUDA), big[:, 1:]):
+        got = moe_experts(xin, *args)
+        assert bool(torch.isfinite(got).all())
+        assert_close(got, want, torch.bfloat16, "repeats / nan expert")
+    empty = moe_experts(x[:0].to(CUDA), ids[:0].to(CUDA), weights[:0].to(CUDA), experts.to(CUDA), I)
+    assert empty.shape == (0, H)
+
+
+def test_deterministic_and_graph_replay_equals_eager():
+    T, H, I, E, K = 16, 256, 128, 32, 8
+    x, ids, weights, experts = (t.to(CUDA) for t in make(T, H, I, E, K, torch.bfloat16, seed=6))
+    first = moe_experts(x, ids, weights, experts, I)
+    assert torch.equal(first, moe_experts(x, ids, weights, experts, I))
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside capture (allocator)
+        moe_experts(static_x, ids, weights, experts, I)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(static_x, ids, weights, experts, I)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    static_x.copy_(x * 0.5)  # new inputs through the same graph
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe_experts(x * 0.5, ids, weights, experts, I))
