@@ -127,3 +127,36 @@ def test_deterministic_and_graph_replay_equals_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, moe_experts(x * 0.5, ids, weights, experts, I))
+
+
+def test_routing_budget_and_experts_in_one_graph():
+    """route_experts (with a budget) then moe_experts, captured together in one CUDA graph: the replay
+    equals the eager pair, and the budget caps the experts the layer reads (the graph of a verify
+    step's MoE layer, with no host synchronisation inside)."""
+    from moespec.ops import ExpertBudget, RouterSpec, route_experts
+
+    T, H, I, E, K, B = 16, 256, 128, 64, 8, 16
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(CUDA)
+    router = (torch.randn(E, H, generator=gen) * 0.1).to(CUDA)
+    experts = (torch.randn(E, 3 * I * H, generator=gen) / H**0.5).to(torch.bfloat16).to(CUDA)
+    spec, budget = RouterSpec("softmax", K, True), ExpertBudget(B, "substitution")
+
+    def layer(inp):
+        r = route_experts(inp.float() @ router.T, spec, budget)
+        return moe_experts(inp, r.ids, r.weights, experts, I), r.ids
+
+    want, ids = layer(x)
+    assert ids[ids < E].unique().numel() <= B
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = layer(static_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
