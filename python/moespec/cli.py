@@ -36,6 +36,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--total-tokens", type=int, default=DEFAULT_TREE["total_tokens"],
                    help="draft tree nodes besides the root")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i] (on CUDA, for now, policy ar only)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -61,7 +62,7 @@ def _generate(args) -> int:
         spec = None  # the engine's own draft head and default policy
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k_sampling, seed=args.seed)
-    llm = LLM(args.model, draft=args.draft, speculative_config=spec, dtype=args.dtype)
+    llm = LLM(args.model, draft=args.draft, speculative_config=spec, dtype=args.dtype, device=args.device)
     policy = llm.speculative_config.policy
     if args.stream:
         if len(prompts) != 1:

@@ -342,3 +342,39 @@ def test_runtime_misuse_is_an_error(models):
     assert cache.lengths == [4, 2]
     with pytest.raises(ValueError, match="taps: layer 7 does not exist"):
         model.set_taps([7])
+
+
+# ---- devices (the CUDA runtime's host side; tests/gpu/test_runtime_cuda.py runs it on a GPU) --------
+
+
+def test_devices_are_checked_and_weights_move_as_one(tmp_path):
+    """``device`` is validated with a message naming it (models.load and LLM); ModelWeights.to moves every tensor once
+    (a tied lm_head stays the embedding itself; "meta" stands in for a GPU here); a model on the CPU
+    given device="cpu" explicitly is the default one."""
+    import dataclasses
+
+    from moespec import LLM
+
+    with pytest.raises(ValueError, match="'tpu'"):
+        mm.check_device("tpu")
+    with pytest.raises(ValueError, match="not a device"):
+        mm.check_device("cuda:x")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            mm.check_device("cuda")
+        with pytest.raises(ValueError, match="no CUDA device"):
+            mm.load(write_checkpoint("qwen3_moe", tmp_path / "q"), "fp32", device="cuda")
+        with pytest.raises(ValueError, match="no CUDA device"):
+            LLM(write_checkpoint("qwen3_moe", tmp_path / "r"), device="cuda")
+    src = write_checkpoint("qwen3_moe", tmp_path / "src")
+    model = mm.load(src, "fp32", device="cpu")
+    assert model.device == torch.device("cpu") and model.new_cache(1, 4).k.device.type == "cpu"
+    w = model.weights
+    assert w.to("cpu") is w
+    meta = w.to("meta")
+    tensors = [meta.embed, meta.final_norm, meta.lm_head] + [getattr(layer, f.name) for layer in meta.layers
+                                                             for f in dataclasses.fields(layer)
+                                                             if isinstance(getattr(layer, f.name), torch.Tensor)]
+    assert all(t.device.type == "meta" for t in tensors) and meta.device.type == "meta"
+    assert (meta.lm_head is meta.embed) == (w.lm_head is w.embed)
+    assert w.embed.device.type == "cpu"  # the original is untouched

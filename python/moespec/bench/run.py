@@ -76,14 +76,15 @@ class Engine:
         return len(self.target.config.moe_layers) if self.target.config.moe is not None else 0
 
 
-def open_engine(folder: Union[str, Path], dtype: Optional[str] = None) -> Engine:
+def open_engine(folder: Union[str, Path], dtype: Optional[str] = None, device: str = "cpu") -> Engine:
     """Loads an engine folder, in ``dtype`` ("bf16" | "fp32") instead of its own when given (converted
-    in memory); ValueError naming the problem for a missing or broken one."""
+    in memory), onto ``device`` ("cpu" | "cuda[:i]"); ValueError naming the problem for a missing or
+    broken one."""
     from moespec.data.datasets import load_tokenizer
     from moespec.engine import load_engine
     from moespec.spec.eagle3 import load_eagle3
 
-    target, info = load_engine(folder, dtype=dtype)
+    target, info = load_engine(folder, dtype=dtype, device=device)
     head = load_eagle3(info.draft_folder, target) if info.draft_folder is not None else None
     tokenizer = load_tokenizer(info.tokenizer_folder) if info.tokenizer_folder is not None else None
     return Engine(Path(folder), target, info, head, tokenizer)
@@ -666,6 +667,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="run in this dtype instead of the engine's (fp32: "
                    "greedy outputs of different policies differ only by the budget, not by rounding)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]: where the target runs (on CUDA, "
+                   "for now, policy ar only)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -706,7 +709,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     tree = dict(depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
     try:
-        engine = open_engine(args.engine, args.dtype)
+        engine = open_engine(args.engine, args.dtype, args.device)
         if args.mode == "compare":
             result = run_compare(engine, args.dataset, args.policies, num_requests=args.num_requests,
                                  max_batch_size=args.max_batch_size, warmup=args.warmup, budget=args.budget,

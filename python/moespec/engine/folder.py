@@ -296,7 +296,8 @@ def engine_predictor(folder: Union[str, Path], config: ModelConfig):
 
 
 def load_engine(folder: Union[str, Path], *, dtype: Optional[Literal["bf16", "fp32"]] = None, taps: Sequence[int] = (),
-                moe_impl: Optional[str] = None, verify: bool = False) -> tuple[TargetModel, EngineInfo]:
+                moe_impl: Optional[str] = None, verify: bool = False,
+                device: Union[str, "torch.device"] = "cpu") -> tuple[TargetModel, EngineInfo]:
     """Loads an engine folder: the target model over a memory map of its weights file, and its info.
 
     Every tensor is a view into one private (copy-on-write) mapping of ``weights.safetensors``: loading
@@ -311,7 +312,7 @@ def load_engine(folder: Union[str, Path], *, dtype: Optional[Literal["bf16", "fp
     dtype : {"bf16", "fp32"}, optional
         Default: the engine's own (memory-mapped). Another dtype converts every tensor in memory,
         exactly as loading the source checkpoint in that dtype would.
-    taps, moe_impl
+    taps, moe_impl, device
         As :func:`moespec.models.load`.
     verify : bool
         Also check the weights file's sha256 against the manifest (reads the whole file).
@@ -352,7 +353,10 @@ def load_engine(folder: Union[str, Path], *, dtype: Optional[Literal["bf16", "fp
     mapped = torch_dtype == engine_dtype
     if not mapped:
         tensors = {k: v.to(torch_dtype) for k, v in tensors.items()}
-    model = TargetModel(config, unflatten(config, tensors, torch_dtype), taps=taps, moe_impl=moe_impl)
+    from moespec.models import check_device
+
+    weights = unflatten(config, tensors, torch_dtype).to(check_device(device))
+    model = TargetModel(config, weights, taps=taps, moe_impl=moe_impl)
     info = EngineInfo(folder=folder, manifest=manifest, config=config, dtype=manifest["dtype"] if mapped else dtype,
                       draft_folder=draft, predictor_folder=predictor, tokenizer_folder=tokenizer, speculation=spec,
                       mapped=mapped)

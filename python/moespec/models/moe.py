@@ -56,6 +56,15 @@ def shared_expert(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
     return torch.sigmoid(F.linear(x, layer.shared_gate)) * F.linear(F.silu(gate) * up, layer.shared_down)
 
 
+def _kernel_runs_on(device: torch.device) -> bool:
+    """Whether moe_experts has a kernel for ``device``: the CPU, and CUDA in a build with the CUDA kernels."""
+    if device.type == "cuda":
+        from moespec._loader import native
+
+        return bool(native().cuda_available())
+    return device.type == "cpu"
+
+
 def moe_forward(
     x: torch.Tensor, layer: LayerWeights, moe: MoeConfig, budget: Optional[ExpertBudget] = None,
     impl: str = "kernel", trace: Optional[list[Routing]] = None,
@@ -67,7 +76,7 @@ def moe_forward(
     routing = route_experts(logits, moe.router, budget)
     if trace is not None:
         trace.append(routing if budget is None else route_experts(logits, moe.router, None))
-    if impl == "reference" or x.device.type != "cpu":
+    if impl == "reference" or not _kernel_runs_on(x.device):
         out = experts_reference(x, routing, layer, moe)
     else:
         weights = routing.weights

@@ -63,7 +63,8 @@ class TargetModel:
         self.config = config
         self.weights = weights
         self.dtype = weights.dtype
-        self.inv_freq = config.rope.inv_freq(config.head_dim)  # float32 [D/2]
+        self.device = weights.device  # where the weights, caches and every call's tensors live
+        self.inv_freq = config.rope.inv_freq(config.head_dim).to(self.device)  # float32 [D/2]
         self.taps: tuple[int, ...] = ()
         self.set_taps(taps)
         self._moe_impl = "kernel"
@@ -112,7 +113,8 @@ class TargetModel:
             raise ValueError(f"new_cache: batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
         c = self.config
         shape = (c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim)
-        return KVCache(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype), [0] * batch)
+        return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.dtype, device=self.device), [0] * batch)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, prompts: Sequence[Sequence[int]], *,
@@ -221,8 +223,8 @@ class TargetModel:
         for b, path in enumerate(paths):
             if path:
                 start = cache.lengths[b]
-                src = torch.tensor(path) + start
-                dst = torch.arange(len(path)) + start
+                src = torch.tensor(path, device=cache.k.device) + start
+                dst = torch.arange(len(path), device=cache.k.device) + start
                 cache.k[:, b, :, dst] = cache.k[:, b, :, src]
                 cache.v[:, b, :, dst] = cache.v[:, b, :, src]
                 cache.lengths[b] = start + len(path)

@@ -14,8 +14,9 @@ naming it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from tqdm import tqdm
@@ -70,6 +71,29 @@ class ModelWeights:
     final_norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
     dtype: torch.dtype = field(default=torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def to(self, device: Union[str, torch.device]) -> "ModelWeights":
+        """These weights on ``device`` (every tensor moved once; tied embeddings stay one tensor)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved: dict[int, torch.Tensor] = {}
+
+        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            if id(t) not in moved:
+                moved[id(t)] = t.to(device)
+            return moved[id(t)]
+
+        layers = [dataclasses.replace(layer, **{f.name: move(getattr(layer, f.name)) for f in dataclasses.fields(layer)
+                                                if isinstance(getattr(layer, f.name), torch.Tensor)})
+                  for layer in self.layers]
+        return ModelWeights(move(self.embed), layers, move(self.final_norm), move(self.lm_head), self.dtype)
 
 
 class _Reader:

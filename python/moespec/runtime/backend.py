@@ -146,8 +146,10 @@ class ReferenceBackend:
         visible = prefix[:, None, :] | new_vis  # [B, T, S]
         visible[:, :, 0] |= ~valid  # padded queries look at one slot (their output is discarded)
         rows, cols = valid.nonzero(as_tuple=True)
-        return _Batch(tokens=tokens, num=num, starts=starts, positions=start[:, None] + depth, visible=visible,
-                      valid=valid, rows=rows, cols=cols, slots=start[rows] + cols)
+        d = self.model.device  # built on the host, moved once (CUDA: one copy per tensor)
+        return _Batch(tokens=tokens.to(d), num=num, starts=starts, positions=(start[:, None] + depth).to(d),
+                      visible=visible.to(d), valid=valid.to(d), rows=rows.to(d), cols=cols.to(d),
+                      slots=(start[rows] + cols).to(d))
 
     def _forward(self, cache: KVCache, batch: _Batch, budget: Optional[ExpertBudget], last_only: bool) -> ForwardOutput:
         model = self.model
@@ -178,12 +180,12 @@ class ReferenceBackend:
             if i in model.taps:
                 tapped[i] = x
         if last_only:
-            last = torch.tensor([max(n - 1, 0) for n in batch.num])
-            x = x[torch.arange(B), last]  # [B, H]
+            last = torch.tensor([max(n - 1, 0) for n in batch.num], device=x.device)
+            x = x[torch.arange(B, device=x.device), last]  # [B, H]
         logits = F.linear(rms_norm(x, w.final_norm, c.rms_norm_eps), w.lm_head)
         if last_only:
             logits = logits * batch.valid.any(dim=1, keepdim=True)  # zeros for requests without new tokens
-        expert_stats = torch.stack(stats) if stats else torch.zeros(0, 4, dtype=torch.int32)
+        expert_stats = torch.stack(stats) if stats else torch.zeros(0, 4, dtype=torch.int32, device=x.device)
         routing = None
         if trace is not None:
             routing = (torch.stack([r.ids for r in trace]), torch.stack([r.weights for r in trace]).float())

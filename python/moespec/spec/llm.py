@@ -140,6 +140,8 @@ class LLM:
     dtype : "bf16" | "fp32"
     max_batch_size : int
         Requests decoded together (static batches).
+    device : "cpu" | "cuda[:i]"
+        Where the target runs (:func:`moespec.models.load`); on CUDA, for now, plain decoding only.
 
     Examples
     --------
@@ -151,7 +153,7 @@ class LLM:
 
     def __init__(self, model: Union[str, Path, TargetModel], draft=None,
                  speculative_config: Optional[SpeculativeConfig] = None, dtype: Literal["bf16", "fp32"] = "bf16",
-                 *, max_batch_size: int = 8, tokenizer=None, predictor=None):
+                 *, max_batch_size: int = 8, tokenizer=None, predictor=None, device="cpu"):
         from moespec.engine import engine_defaults, is_engine_folder
         from moespec.spec.policies import make_policy
 
@@ -162,11 +164,14 @@ class LLM:
                 draft = engine_draft
                 if speculative_config is None:
                     speculative_config = SpeculativeConfig(**engine_spec)
-        self.target = model if isinstance(model, TargetModel) else load(model, dtype)
+        self.target = model if isinstance(model, TargetModel) else load(model, dtype, device=device)
         self.model_path = None if isinstance(model, TargetModel) else Path(model)
         self.tokenizer = tokenizer if tokenizer is not None else _local_tokenizer(tokenizer_path)
         if speculative_config is None:
             speculative_config = SpeculativeConfig(default_policy(has_draft=draft is not None))
+        if self.target.device.type != "cpu" and speculative_config.spec.speculative:
+            raise ValueError(f"policy {speculative_config.policy!r} on {self.target.device}: the speculative policies "
+                             "run on the CPU for now (the draft tree core is CPU code); use policy 'ar' on CUDA")
         self.speculative_config = speculative_config
         self.max_batch_size = max_batch_size
         self.policy = make_policy(self.target, draft, speculative_config, self.model_path, predictor)

@@ -76,7 +76,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
     """One token from logits [V]: argmax when greedy, else a draw from :func:`probabilities`."""
     if params.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+    # drawn on the host: the request's generator is a CPU one, whatever device the logits come from
+    return int(torch.multinomial(probabilities(logits.cpu(), params), 1, generator=generator))
 
 
 @dataclass
@@ -110,6 +111,7 @@ def accept(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, 
             path.append(nxt)
             out.append(tokens[nxt])
             node = nxt
+    logits = logits.cpu()  # the draws use the request's CPU generator (a no-op for CPU logits)
     while True:
         p = probabilities(logits[node], params)  # [V]
         taken = None
