@@ -36,7 +36,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--total-tokens", type=int, default=DEFAULT_TREE["total_tokens"],
                    help="draft tree nodes besides the root")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i] (on CUDA, for now, policy ar only)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]: where the model runs")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -86,3 +86,23 @@ def test_greedy_ar_on_cuda_equals_the_cpu(folder):
     sampled = LLM(folder, dtype="fp32", device="cuda").generate(
         PROMPTS, SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in sampled)
+
+
+def test_greedy_speculation_on_cuda_equals_greedy_ar(folder, tmp_path):
+    """eagle3, eagle3+budget (budget >= N) and eco on CUDA, greedy, fp32: token for token the output of
+    ar on CUDA (the draft head on the GPU, the tree core and acceptance on the host), batches included."""
+    from moespec import SpeculativeConfig
+    from moespec.spec.expert_predictor import ExpertPredictor
+    from moespec.spec.train import new_head
+
+    target = mm.load(folder, "fp32", device="cuda")
+    head = new_head(target.config, target.weights.embed, None, seed=0).to("cuda")
+    c = target.config
+    L, N, D = len(c.moe.layers), c.moe.num_experts, 2 * c.hidden_size
+    predictor = ExpertPredictor(torch.randn(L, N, D), torch.zeros(L, N), torch.zeros(D), torch.ones(D))
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(target).generate(PROMPTS, params)]
+    for policy, extra in (("eagle3", {}), ("eagle3+budget", {"budget": N}), ("eco", {})):
+        config = SpeculativeConfig(policy, depth=3, top_k=3, total_tokens=6, **extra)
+        llm = LLM(target, draft=head, speculative_config=config, predictor=predictor, max_batch_size=2)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want, policy

@@ -667,8 +667,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="run in this dtype instead of the engine's (fp32: "
                    "greedy outputs of different policies differ only by the budget, not by rounding)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]: where the target runs (on CUDA, "
-                   "for now, policy ar only)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]: where the target and the draft head run")
 
 
 def _parser() -> argparse.ArgumentParser:

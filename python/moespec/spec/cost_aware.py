@@ -323,12 +323,17 @@ class CostAwareTrees:
 
         from moespec.spec.tree import tree_from_selection
 
-        embed = self.target.weights.embed
+        embed_table = self.target.weights.embed  # (on the target's device; the selection runs on the host)
+
+        def embed(ids):
+            return embed_table[torch.as_tensor(ids).to(embed_table.device)].cpu()
+
+        root_hidden, level_hidden = root_hidden.cpu(), [h.cpu() for h in level_hidden]
         B = len(roots)
         active = [True] * B if active is None else list(active)
         live = [b for b in range(B) if active[b]]
         L, N = self.predictor.num_layers, self.predictor.num_experts
-        root_ids, root_p = self.predictor.predict_p(root_hidden, embed[torch.tensor(roots)], self.keep)  # [B, L, M]
+        root_ids, root_p = self.predictor.predict_p(root_hidden, embed(torch.tensor(roots)), self.keep)  # [B, L, M]
         buffer = np.zeros((L, N), dtype=np.float32)
         add_to_buffer(buffer, root_ids[live].numpy(), root_p[live].numpy())
         step_s, accepted = self.pricer.base_s(max(len(live), 1), buffer, self.rest_s), float(max(len(live), 1))
@@ -356,7 +361,7 @@ class CostAwareTrees:
             ids = torch.zeros(C, L, self.keep, dtype=torch.int32)
             prob = torch.zeros(C, L, self.keep)
             if bool(hopeful.any()):
-                got_ids, got_p = self.predictor.predict_p(parent[hopeful], embed[cands.tokens[hopeful]], self.keep)
+                got_ids, got_p = self.predictor.predict_p(parent[hopeful], embed(cands.tokens[hopeful]), self.keep)
                 ids[hopeful], prob[hopeful] = got_ids.to(torch.int32), got_p
             chosen, step_s, accepted = select_cost_aware_native(
                 cands.parents.numpy(), cands.depth.numpy(), log_a, ids.numpy(), prob.numpy(), buffer,

@@ -836,7 +836,7 @@ def load_eagle3(folder: Union[str, Path], target: Union[TargetModel, ModelConfig
                 if not t.is_floating_point():
                     raise ValueError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected a float type")
                 params[name].copy_(t)
-    return head.eval().requires_grad_(False)
+    return head.to(embed.device).eval().requires_grad_(False)  # on the target's device
 
 
 def init_weights(head: Eagle3Head, seed: int) -> Eagle3Head:

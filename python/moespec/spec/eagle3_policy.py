@@ -100,14 +100,15 @@ class Eagle3Policy:
         dc = run.extra["draft_cache"]
         num = [len(t) for t in next_tokens]
         T = max(num)
-        tokens = torch.tensor([t + [0] * (T - len(t)) for t in next_tokens])  # [B, T]
+        dev = self.target.device
+        tokens = torch.tensor([t + [0] * (T - len(t)) for t in next_tokens], device=dev)  # [B, T]
         step = dc.append_inputs(num)
         out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible)
         dc.advance(num)
-        last = torch.tensor([max(n - 1, 0) for n in num])
-        rows = torch.arange(len(num))
+        last = torch.tensor([max(n - 1, 0) for n in num], device=dev)
+        rows = torch.arange(len(num), device=dev)
         logits, hidden = out.logits[rows, last], out.hidden[rows, last]  # [B, Vd], [B, H]
-        keep = torch.tensor([n > 0 for n in num])[:, None]
+        keep = torch.tensor([n > 0 for n in num], device=dev)[:, None]
         if "draft_logits" in run.extra:  # requests without new entries keep their previous output
             logits = torch.where(keep, logits, run.extra["draft_logits"])
             hidden = torch.where(keep, hidden, run.extra["draft_hidden"])
@@ -157,26 +158,27 @@ class Eagle3Policy:
         c, head = self.config, self.head
         dc = run.extra["draft_cache"]
         B, K = len(roots), c.top_k
-        builder = self._builder(B)
+        builder = self._builder(B)  # (the tree core is host code: the top-k of each level crosses over)
+        dev = self.target.device
         top = torch.log_softmax(run.extra["draft_logits"], dim=-1).topk(K, dim=-1)  # [B, K]
-        frontier = builder.expand_root(roots, top.indices, top.values)
+        frontier = builder.expand_root(roots, top.indices.cpu(), top.values.cpu())
         level_hidden = []  # the frontier states that propose each next level (kept for a cost-aware choice)
-        n = torch.tensor(dc.lengths)  # [B] accepted draft entries
+        n = torch.tensor(dc.lengths, device=dev)  # [B] accepted draft entries
         H = run.extra["draft_hidden"].shape[-1]
         hidden = run.extra["draft_hidden"][:, None, :].expand(B, K, H)  # the frontier's parents' outputs
         S = int(n.max()) + (c.depth - 1) * K
-        seen = (torch.arange(S)[None, :] < n[:, None])[:, None, :].expand(B, K, S).clone()  # [B, K, S]
+        seen = (torch.arange(S, device=dev)[None, :] < n[:, None])[:, None, :].expand(B, K, S).clone()  # [B, K, S]
         for d in range(1, c.depth):
             if self.selector is not None and not self.selector.worth_expanding(frontier.scores, active):
                 break  # no node of a deeper level can pay for it (the eco policies)
             level_start = time.perf_counter()
-            own = n[:, None] + (d - 1) * K + torch.arange(K)[None, :]  # [B, K] scratch slots
+            own = n[:, None] + (d - 1) * K + torch.arange(K, device=dev)[None, :]  # [B, K] scratch slots
             seen.scatter_(2, own[:, :, None], True)  # each node sees itself
-            out = head(dc, frontier.tokens.clone(), hidden, positions=(n - 1 + d)[:, None].expand(B, K), slots=own,
+            out = head(dc, frontier.tokens.to(dev, copy=True), hidden, positions=(n - 1 + d)[:, None].expand(B, K), slots=own,
                        visible=seen)
             top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
-            frontier = builder.expand(top.indices, top.values)
-            parent = frontier.parent_slot.long()[:, :, None]  # [B, K, 1]
+            frontier = builder.expand(top.indices.cpu(), top.values.cpu())
+            parent = frontier.parent_slot.long().to(dev)[:, :, None]  # [B, K, 1]
             if self.selector is not None:
                 level_hidden.append(out.hidden)
                 self.selector.observe_level(time.perf_counter() - level_start)

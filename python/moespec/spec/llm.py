@@ -141,7 +141,9 @@ class LLM:
     max_batch_size : int
         Requests decoded together (static batches).
     device : "cpu" | "cuda[:i]"
-        Where the target runs (:func:`moespec.models.load`); on CUDA, for now, plain decoding only.
+        Where the target and the draft head run (:func:`moespec.models.load`); the draft tree core and
+        the acceptance stay host code (on CUDA: a copy of each level's top-k, of the tree and of the
+        verified logits' argmax per step).
 
     Examples
     --------
@@ -169,9 +171,6 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else _local_tokenizer(tokenizer_path)
         if speculative_config is None:
             speculative_config = SpeculativeConfig(default_policy(has_draft=draft is not None))
-        if self.target.device.type != "cpu" and speculative_config.spec.speculative:
-            raise ValueError(f"policy {speculative_config.policy!r} on {self.target.device}: the speculative policies "
-                             "run on the CPU for now (the draft tree core is CPU code); use policy 'ar' on CUDA")
         self.speculative_config = speculative_config
         self.max_batch_size = max_batch_size
         self.policy = make_policy(self.target, draft, speculative_config, self.model_path, predictor)
