@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: build moespec with its CUDA kernels, run the C++
 # tests, the GPU tests (CUDA against the CPU reference, tests/gpu/test_*.py), the timing tables
-# of route_experts and moe_experts (tests/gpu/bench_*_cuda.py) and the GPU's hardware profile for
+# of route_experts, moe_experts and the runtime's steps (tests/gpu/bench_*_cuda.py) and the GPU's
+# hardware profile for
 # `moespec analyze` (tests/gpu/measure_profile.py -> tests/gpu/profiles/<name>.json; commit it).
 # DESIGN.md "What can run where".
 #
@@ -42,6 +43,9 @@ PYTHONPATH=python "$PY" tests/gpu/bench_route_experts_cuda.py 2>&1 | tee "$LOGS/
 
 log "timing (tests/gpu/bench_moe_experts_cuda.py) -> $LOGS/bench_moe.log"
 PYTHONPATH=python "$PY" tests/gpu/bench_moe_experts_cuda.py 2>&1 | tee "$LOGS/bench_moe.log" || status=1
+
+log "timing (tests/gpu/bench_runtime_cuda.py) -> $LOGS/bench_runtime.log"
+PYTHONPATH=python "$PY" tests/gpu/bench_runtime_cuda.py 2>&1 | tee "$LOGS/bench_runtime.log" || status=1
 
 log "hardware profile for moespec analyze (tests/gpu/measure_profile.py) -> $LOGS/profile.log"
 "$PY" tests/gpu/measure_profile.py 2>&1 | tee "$LOGS/profile.log" || status=1

@@ -1,0 +1,122 @@
+"""Decode and verify steps of the runtime on CUDA, for tests/gpu/run.sh: a random Qwen3-30B-A3B-shaped
+model (H 2048, 32 query / 4 key-value heads of 128, 128 experts of 768, top-8; vocabulary cut to
+32k; 8 layers) built in memory in bf16 on the GPU, 512 cached tokens, T = 1..64 new tokens as one
+chain (a verify pass), budget off and B in {16, 32, 64}: step time (median of CUDA-event-timed
+calls) against the unique experts a layer actually read, and against the roofline (dense bytes +
+unique-expert bytes) / the device copy bandwidth of the same run. Also the routing + budget op's
+share of a layer at T = 16. Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
+runtime"): within 15% of the roofline at T <= 16 (with CUDA graphs; this first runtime step runs
+eagerly, so the table also shows what the graphs must win back).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python"))
+
+from moespec.models import TargetModel  # noqa: E402
+from moespec.models.config import ModelConfig, MoeConfig, RopeConfig  # noqa: E402
+from moespec.models.weights import LayerWeights, ModelWeights  # noqa: E402
+from moespec.ops import ExpertBudget, RouterSpec, route_experts  # noqa: E402
+
+CUDA = torch.device("cuda")
+H, HQ, HKV, D, E, I, K, V, LAYERS = 2048, 32, 4, 128, 128, 768, 8, 32768, 8
+CONTEXT = 512
+
+
+def model() -> TargetModel:
+    moe = MoeConfig(num_experts=E, top_k=K, intermediate_size=I, router=RouterSpec("softmax", K, True),
+                    layers=tuple(range(LAYERS)), weights_in_model_dtype=True)
+    config = ModelConfig(architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", vocab_size=V, hidden_size=H,
+                         num_layers=LAYERS, num_heads=HQ, num_kv_heads=HKV, head_dim=D, intermediate_size=0,
+                         rms_norm_eps=1e-6, rope=RopeConfig(1e6), qk_norm="per_head", attention_bias=False,
+                         clip_qkv=None, tie_word_embeddings=False, max_position_embeddings=4096, moe=moe)
+    bf16 = dict(dtype=torch.bfloat16, device=CUDA)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=CUDA) * scale).to(torch.bfloat16)
+
+    layers = [LayerWeights(input_norm=torch.ones(H, **bf16), qkv=rand((HQ + 2 * HKV) * D, H, scale=H**-0.5),
+                           qkv_bias=None, q_norm=torch.ones(D, **bf16), k_norm=torch.ones(D, **bf16),
+                           o=rand(H, HQ * D, scale=(HQ * D) ** -0.5), o_bias=None, post_norm=torch.ones(H, **bf16),
+                           router=rand(E, H, scale=H**-0.5), experts=rand(E, 3 * I * H, scale=H**-0.5))
+              for _ in range(LAYERS)]
+    weights = ModelWeights(embed=rand(V, H), layers=layers, final_norm=torch.ones(H, **bf16),
+                           lm_head=rand(V, H, scale=H**-0.5), dtype=torch.bfloat16)
+    return TargetModel(config, weights)
+
+
+def event_time(fn, repeats: int = 9) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=CUDA)
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / event_time(lambda: dst.copy_(src)) / 1e9
+    del src, dst
+    m = model()
+    dense = sum(t.numel() * 2 for layer in m.weights.layers for t in (layer.qkv, layer.o, layer.router)) + \
+        m.weights.lm_head.numel() * 2
+    expert_bytes = 3 * I * H * 2
+    cache = m.new_cache(1, CONTEXT + 80)
+    m.prefill(cache, [torch.randint(0, V, (CONTEXT,)).tolist()])
+    print(f"device {torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; model {LAYERS} layers, dense "
+          f"{dense / 1e6:.0f} MB, {expert_bytes / 1e6:.1f} MB per expert")
+    rows = []
+    for T in (1, 2, 4, 8, 16, 32, 64):
+        for B in (None, 16, 32, 64):
+            if B is not None and T * K <= B:
+                continue  # the budget cannot bind
+            tokens = torch.randint(0, V, (T,)).tolist()
+            parents = [-1] + list(range(T - 1))
+            budget = ExpertBudget(B) if B else None
+            stats = {}
+
+            def step():
+                out = m.verify(cache, [tokens], [parents], budget=budget)
+                cache.pending = None  # forget the tree (nothing committed)
+                stats["kept"] = out.expert_stats[:, 1].float().mean()
+
+            t = event_time(step)
+            kept = float(stats["kept"])
+            roof = (dense + LAYERS * kept * expert_bytes) / (copy * 1e9)
+            rows.append({"T": T, "budget": B, "ms": t * 1e3, "unique": kept, "roofline_ms": roof * 1e3,
+                         "x_roofline": t / roof})
+            print(f"T={T:3d} budget={str(B):>4s}: {t * 1e3:7.3f} ms, {kept:6.1f} experts/layer, roofline "
+                  f"{roof * 1e3:6.3f} ms ({t / roof:5.2f}x)")
+    x = torch.randn(16, H, device=CUDA).to(torch.bfloat16)
+    router = m.weights.layers[0].router
+    spec = RouterSpec("softmax", K, True)
+    t_route = event_time(lambda: route_experts(torch.nn.functional.linear(x, router), spec, ExpertBudget(32)))
+    layer_ms = next(r["ms"] for r in rows if r["T"] == 16 and r["budget"] == 32) / LAYERS
+    print(f"routing + budget (T=16, B=32): {t_route * 1e6:.1f} us = {100 * t_route * 1e3 / layer_ms:.1f}% of a "
+          f"verify layer ({layer_ms:.3f} ms)")
+    out = os.environ.get("OUT")
+    if out:
+        path = pathlib.Path(out) / "runtime_bench.json"
+        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows,
+                                    "route_us": t_route * 1e6, "layer_ms": layer_ms}, indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
