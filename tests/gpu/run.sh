@@ -2,8 +2,8 @@
 # One command for a machine with an NVIDIA GPU: build moespec with its CUDA kernels, run the C++
 # tests, the GPU tests (CUDA against the CPU reference, tests/gpu/test_*.py), the timing tables
 # of route_experts, moe_experts and the runtime's steps (tests/gpu/bench_*_cuda.py) and the GPU's
-# hardware profile for
-# `moespec analyze` (tests/gpu/measure_profile.py -> tests/gpu/profiles/<name>.json; commit it).
+# hardware profile for `moespec analyze` (tests/gpu/measure_profile.py -> tests/gpu/profiles/<name>.json;
+# commit it).
 # DESIGN.md "What can run where".
 #
 #   tests/gpu/run.sh
