@@ -36,6 +36,19 @@ CpuIsa isa_from_name(const std::string& name) {
   throw_invalid("isa", "expected scalar, avx2 or avx512, got '", name, "'");
 }
 
+struct CudaWorkspace {
+  void* data;
+  std::size_t bytes;
+};
+
+// The caller's scratch tensor of a CUDA kernel, checked: present and on the kernel's device.
+CudaWorkspace cuda_workspace(const py::object& workspace, int32_t device_index) {
+  const TensorView ws = to_view(workspace, "workspace");
+  check_not_null(ws, "workspace");
+  check_device(ws, "workspace", Device::kCUDA, device_index);
+  return {ws.data, static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype)};
+}
+
 void route_experts_binding(const py::object& router_logits, const py::object& bias, const py::object& token_weights,
                            const py::object& ids, const py::object& weights, const py::object& active,
                            const py::object& stats, int family, int top_k, bool renormalize, int n_group,
@@ -60,12 +73,9 @@ void route_experts_binding(const py::object& router_logits, const py::object& bi
   a.budget.coverage = coverage;
   a.softmax_vector_width = softmax_vector_width;
   if (a.router_logits.device == Device::kCUDA) {
-    TensorView ws = to_view(workspace, "workspace");
-    check_not_null(ws, "workspace");
-    check_device(ws, "workspace", Device::kCUDA, a.router_logits.device_index);
-    const std::size_t bytes = static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype);
+    const CudaWorkspace ws = cuda_workspace(workspace, a.router_logits.device_index);
     py::gil_scoped_release release;
-    cuda::route_experts(a, ws.data, bytes, reinterpret_cast<void*>(stream));
+    cuda::route_experts(a, ws.data, ws.bytes, reinterpret_cast<void*>(stream));
   } else {
     py::gil_scoped_release release;
     cpu::route_experts(a);
@@ -90,12 +100,9 @@ void moe_experts_binding(const py::object& x, const py::object& ids, const py::o
   a.limit = limit;
   a.alpha = alpha;
   if (a.x.device == Device::kCUDA) {
-    TensorView ws = to_view(workspace, "workspace");
-    check_not_null(ws, "workspace");
-    check_device(ws, "workspace", Device::kCUDA, a.x.device_index);
-    const std::size_t bytes = static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype);
+    const CudaWorkspace ws = cuda_workspace(workspace, a.x.device_index);
     py::gil_scoped_release release;
-    cuda::moe_experts(a, ws.data, bytes, reinterpret_cast<void*>(stream));
+    cuda::moe_experts(a, ws.data, ws.bytes, reinterpret_cast<void*>(stream));
     return;
   }
   py::gil_scoped_release release;

@@ -17,11 +17,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from gpu_common import event_seconds, graph_seconds
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
-
-from moespec.ops import moe_experts  # noqa: E402
+from moespec.ops import moe_experts
 
 CUDA = torch.device("cuda")
 SHAPES = {  # name: (H, I, E, top-k), from the published configs
@@ -33,33 +31,10 @@ TOKENS = (1, 4, 16, 64)
 CALLS = 20
 
 
-def graph_time(fn, calls: int = CALLS, replays: int = 5) -> float:
-    """Seconds per call of ``fn`` captured ``calls`` times in one CUDA graph (median of replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=CUDA)
     dst = torch.empty_like(src)
-    t = graph_time(lambda: dst.copy_(src), calls=5)
+    t = graph_seconds(lambda: dst.copy_(src), calls=5)
     return 2 * nbytes / t / 1e9  # GB/s read + written
 
 
@@ -97,10 +72,10 @@ def main() -> int:
             times = []
             for active in sweep:
                 ids, weights = routing(T, K, active, E)
-                t = graph_time(lambda: moe_experts(x, ids, weights, experts, I))
+                t = graph_seconds(lambda: moe_experts(x, ids, weights, experts, I), calls=CALLS)
                 ref_ids, ref_w = ids, weights
                 torch.cuda.synchronize()
-                loop = sorted(_wall(lambda: torch_loop(x, ref_ids, ref_w, gate, up, down)) for _ in range(5))[2]
+                loop = event_seconds(lambda: torch_loop(x, ref_ids, ref_w, gate, up, down), 5)
                 best_torch = loop
                 if grouped:
                     try:
@@ -131,15 +106,6 @@ def main() -> int:
     return 0
 
 
-def _wall(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3
-
-
 def _grouped_time(x, ids, gate, up, down) -> float:
     """torch._grouped_mm over the slots sorted by expert (gate/up, then down), timed eagerly."""
     flat = ids.reshape(-1).long()
@@ -154,8 +120,7 @@ def _grouped_time(x, ids, gate, up, down) -> float:
         h = F.silu(torch._grouped_mm(xs, wg, offs=offs)) * torch._grouped_mm(xs, wu, offs=offs)
         return torch._grouped_mm(h, wd, offs=offs)
 
-    run()
-    return sorted(_wall(run) for _ in range(5))[2]
+    return event_seconds(run, 5)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import inspect
 import time
 
 import torch
+from gpu_common import graph_seconds
 
 from moespec.ops import ExpertBudget, RouterSpec, route_experts
 from moespec.ops.reference import route_experts_reference
@@ -52,16 +53,7 @@ def cpu_us(fn, iters: int) -> float:
 
 
 def graph_us(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    return cuda_us(graph.replay, GRAPH_REPLAYS) / GRAPH_CALLS
+    return graph_seconds(fn, GRAPH_CALLS, GRAPH_REPLAYS) * 1e6
 
 
 def torch_topk(logits: torch.Tensor):

@@ -17,14 +17,12 @@ import pathlib
 import sys
 
 import torch
+from gpu_common import event_seconds
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
-
-from moespec.models import TargetModel  # noqa: E402
-from moespec.models.config import ModelConfig, MoeConfig, RopeConfig  # noqa: E402
-from moespec.models.weights import LayerWeights, ModelWeights  # noqa: E402
-from moespec.ops import ExpertBudget, RouterSpec, route_experts  # noqa: E402
+from moespec.models import TargetModel
+from moespec.models.config import ModelConfig, MoeConfig, RopeConfig
+from moespec.models.weights import LayerWeights, ModelWeights
+from moespec.ops import ExpertBudget, RouterSpec, route_experts
 
 CUDA = torch.device("cuda")
 H, HQ, HKV, D, E, I, K, V, LAYERS = 2048, 32, 4, 128, 128, 768, 8, 32768, 8
@@ -53,24 +51,11 @@ def model() -> TargetModel:
     return TargetModel(config, weights)
 
 
-def event_time(fn, repeats: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> int:
     torch.manual_seed(0)
     src = torch.empty(2 << 30, dtype=torch.uint8, device=CUDA)
     dst = torch.empty_like(src)
-    copy = 2 * src.numel() / event_time(lambda: dst.copy_(src)) / 1e9
+    copy = 2 * src.numel() / event_seconds(lambda: dst.copy_(src)) / 1e9
     del src, dst
     m = model()
     dense = sum(t.numel() * 2 for layer in m.weights.layers for t in (layer.qkv, layer.o, layer.router)) + \
@@ -95,7 +80,7 @@ def main() -> int:
                 cache.pending = None  # forget the tree (nothing committed)
                 stats["kept"] = out.expert_stats[:, 1].float().mean()
 
-            t = event_time(step)
+            t = event_seconds(step)
             kept = float(stats["kept"])
             roof = (dense + LAYERS * kept * expert_bytes) / (copy * 1e9)
             rows.append({"T": T, "budget": B, "ms": t * 1e3, "unique": kept, "roofline_ms": roof * 1e3,
@@ -105,7 +90,7 @@ def main() -> int:
     x = torch.randn(16, H, device=CUDA).to(torch.bfloat16)
     router = m.weights.layers[0].router
     spec = RouterSpec("softmax", K, True)
-    t_route = event_time(lambda: route_experts(torch.nn.functional.linear(x, router), spec, ExpertBudget(32)))
+    t_route = event_seconds(lambda: route_experts(torch.nn.functional.linear(x, router), spec, ExpertBudget(32)))
     layer_ms = next(r["ms"] for r in rows if r["T"] == 16 and r["budget"] == 32) / LAYERS
     print(f"routing + budget (T=16, B=32): {t_route * 1e6:.1f} us = {100 * t_route * 1e3 / layer_ms:.1f}% of a "
           f"verify layer ({layer_ms:.3f} ms)")

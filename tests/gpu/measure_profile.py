@@ -16,22 +16,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+from gpu_common import event_seconds  # (puts the source tree's python/ on sys.path)
+
 from moespec.cost.hardware import PROFILE_SIZES, Hardware, save_profile  # noqa: E402
-
-
-def _seconds(fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:
@@ -42,20 +29,20 @@ def main() -> int:
     name = next((key for tag, key in (("H200", "h200"), ("H100", "h100-sxm"), ("B200", "b200")) if tag in device),
                 "gpu")
     buf = torch.ones(2**30, dtype=torch.float32, device="cuda")  # 4 GiB
-    bandwidth = buf.numel() * 4 / _seconds(lambda: buf.sum()) / 1e9
+    bandwidth = buf.numel() * 4 / event_seconds(lambda: buf.sum()) / 1e9
     del buf
     w = torch.randn(28672, 8192, device="cuda", dtype=torch.bfloat16)
     table = {}
     for M in PROFILE_SIZES:
         x = torch.randn(M, 8192, device="cuda", dtype=torch.bfloat16)
-        table[M] = w.numel() * 2 / _seconds(lambda: x @ w.T) / 1e9
+        table[M] = w.numel() * 2 / event_seconds(lambda: x @ w.T) / 1e9
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * 8192**3 / _seconds(lambda: a @ a) / 1e12
+    peak = 2 * 8192**3 / event_seconds(lambda: a @ a) / 1e12
     small = torch.zeros(1024, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         small.add_(1.0)
-    overhead = _seconds(graph.replay, 200) * 1e6
+    overhead = event_seconds(graph.replay, 200) * 1e6
     hw = Hardware(name, bandwidth, peak, overhead, f"measured by tests/gpu/measure_profile.py on {device} "
                   f"(torch {torch.__version__} bf16 GEMM)", table)
     paths = [Path(__file__).parent / "profiles" / f"{name}.json"]

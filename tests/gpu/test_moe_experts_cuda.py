@@ -12,24 +12,11 @@ fixed so that a failure reproduces. Skipped without a CUDA device or a CUDA buil
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 import torch
+from gpu_common import require_cuda_build
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-if str(ROOT / "python") not in sys.path:  # as tests/python/conftest.py: the source tree's moespec
-    sys.path.insert(0, str(ROOT / "python"))
-
-from moespec._loader import native  # noqa: E402
-
-if not native().cuda_available():
-    pytest.skip("moespec was built without CUDA kernels (configure with -DMOESPEC_CUDA=ON)",
-                allow_module_level=True)
+require_cuda_build()
 
 from moespec.ops import moe_experts  # noqa: E402
 from moespec.ops.reference import moe_experts_reference  # noqa: E402

@@ -16,25 +16,14 @@ Seeds are fixed so that a failure reproduces. Skipped without a CUDA device or a
 from __future__ import annotations
 
 import functools
-import pathlib
-import sys
 
 import pytest
 import torch
+from gpu_common import require_cuda_build
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-if str(ROOT / "python") not in sys.path:  # as tests/python/conftest.py: the source tree's moespec
-    sys.path.insert(0, str(ROOT / "python"))
+require_cuda_build()
 
 from moespec._loader import native  # noqa: E402
-
-if not native().cuda_available():
-    pytest.skip("moespec was built without CUDA kernels (configure with -DMOESPEC_CUDA=ON)",
-                allow_module_level=True)
-
 import hypothesis.strategies as st  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 

@@ -13,25 +13,11 @@ Skipped without a CUDA device or a CUDA build.
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 import torch
+from gpu_common import require_cuda_build
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-for extra in (ROOT / "python", ROOT / "tests" / "python"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
-
-from moespec._loader import native  # noqa: E402
-
-if not native().cuda_available():
-    pytest.skip("moespec was built without CUDA kernels (configure with -DMOESPEC_CUDA=ON)",
-                allow_module_level=True)
+require_cuda_build()
 
 import moespec.models as mm  # noqa: E402
 from models_fixtures import write_checkpoint  # noqa: E402

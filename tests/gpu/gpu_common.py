@@ -1,0 +1,59 @@
+"""What the GPU tests and timing scripts share: the source tree on sys.path, the module-level skip
+without a CUDA device or a CUDA build, and CUDA-event / CUDA-graph timing (medians)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+for _extra in (ROOT / "python", ROOT / "tests" / "python"):  # the source tree's moespec, the test fixtures
+    if str(_extra) not in sys.path:
+        sys.path.insert(0, str(_extra))
+
+
+def require_cuda_build() -> None:
+    """Skips the calling test module (call it at module level) without a CUDA device or without
+    moespec's CUDA kernels."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
+    from moespec._loader import native
+
+    if not native().cuda_available():
+        pytest.skip("moespec was built without CUDA kernels (configure with -DMOESPEC_CUDA=ON)",
+                    allow_module_level=True)
+
+
+def event_seconds(fn, repeats: int = 9) -> float:
+    """Median seconds of ``fn`` between two CUDA events (after one untimed call)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def graph_seconds(fn, calls: int = 20, replays: int = 5) -> float:
+    """Seconds per call of ``fn`` captured ``calls`` times in one CUDA graph (median replay; warmed up
+    on a side stream first, as capture needs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return event_seconds(graph.replay, replays) / calls
