@@ -31,110 +31,13 @@ constexpr int32_t kNbOutputs = static_cast<int32_t>(RouteExpertsOutput::kCount);
 
 constexpr int32_t idx(RouteExpertsOutput output) { return static_cast<int32_t>(output); }
 
-// The field table: name and member, in serialization order. The member's type (int32_t or float)
-// is the field's type (kINT32 or kFLOAT32).
-template <typename Fields, typename Visit>
-void visit_fields(Fields& f, Visit&& visit) {
-  visit("family", f.family);
-  visit("top_k", f.top_k);
-  visit("renormalize", f.renormalize);
-  visit("n_group", f.n_group);
-  visit("topk_group", f.topk_group);
-  visit("scaling", f.scaling);
-  visit("max_experts", f.max_experts);
-  visit("policy", f.policy);
-  visit("coverage", f.coverage);
-  visit("has_bias", f.has_bias);
-  visit("has_token_weights", f.has_token_weights);
-  visit("softmax_vector_width", f.softmax_vector_width);
-}
-
-static_assert(sizeof(float) == sizeof(int32_t), "fields are 4-byte values");
-
-template <typename V>
-constexpr PluginFieldType field_type() {
-  static_assert(std::is_same_v<V, int32_t> || std::is_same_v<V, float>, "fields are int32 or float32");
-  return std::is_same_v<V, float> ? PluginFieldType::kFLOAT32 : PluginFieldType::kINT32;
-}
-
-const char* field_type_name(PluginFieldType type) {
-  return type == PluginFieldType::kFLOAT32 ? "FLOAT32" : type == PluginFieldType::kINT32 ? "INT32" : "other";
-}
-
-// One PluginField per field, pointing into `fields`.
-std::vector<PluginField> to_plugin_fields(const RouteExpertsFields& fields) {
-  std::vector<PluginField> out;
-  visit_fields(fields, [&](const char* name, const auto& value) {
-    out.emplace_back(name, &value, field_type<std::decay_t<decltype(value)>>(), 1);
-  });
-  return out;
-}
-
-std::string field_names() {
-  const RouteExpertsFields defaults;
-  std::string names;
-  visit_fields(defaults, [&](const char* name, const auto&) {
-    names += names.empty() ? "" : ", ";
-    names += name;
-  });
-  return names;
-}
-
-// "MoespecRouteExperts 'layer'::method: what", through plugin_log.h.
-void report(const char* layer, const char* method, const char* what) noexcept {
-  try {
-    std::string where = kRouteExpertsPluginName;
-    if (layer != nullptr && *layer != '\0') where += std::string(" '") + layer + "'";
-    where += "::";
-    where += method;
-    report_error(where.c_str(), what);
-  } catch (...) {
-    report_error(method, what);
-  }
-}
-
-// Runs `body`; an exception becomes a report and `on_error` (TensorRT methods are noexcept).
 template <typename Result, typename Body>
 Result guarded(const char* layer, const char* method, Result on_error, Body&& body) noexcept {
-  try {
-    return body();
-  } catch (const std::exception& e) {
-    report(layer, method, e.what());
-  } catch (...) {
-    report(layer, method, "unknown exception");
-  }
-  return on_error;
+  return trt::guarded(kRouteExpertsPluginName, layer, method, on_error, std::forward<Body>(body));
 }
 
-DType to_dtype(DataType type) {
-  switch (type) {
-    case DataType::kFLOAT: return DType::kFloat32;
-    case DataType::kHALF: return DType::kFloat16;
-    case DataType::kBF16: return DType::kBFloat16;
-    case DataType::kINT32: return DType::kInt32;
-    case DataType::kINT64: return DType::kInt64;
-    case DataType::kUINT8: return DType::kUInt8;
-    default: throw_invalid("dtype", "TensorRT DataType ", static_cast<int32_t>(type), " has no moespec dtype");
-  }
-}
-
-// A contiguous CUDA view of a linear-format TensorRT tensor.
-TensorView to_view(const PluginTensorDesc& desc, const void* data, int32_t device_index) {
-  MOESPEC_CHECK_ARG(desc.dims.nbDims >= 0 && desc.dims.nbDims <= TensorView::kMaxDims, "dims", "a tensor of ",
-                    desc.dims.nbDims, " dims (at most ", TensorView::kMaxDims, " supported)");
-  TensorView view;
-  view.data = const_cast<void*>(data);
-  view.dtype = to_dtype(desc.type);
-  view.ndim = desc.dims.nbDims;
-  int64_t stride = 1;
-  for (int32_t d = view.ndim - 1; d >= 0; --d) {
-    view.shape[d] = desc.dims.d[d];
-    view.strides[d] = stride;
-    stride *= desc.dims.d[d];
-  }
-  view.device = Device::kCUDA;
-  view.device_index = device_index;
-  return view;
+void report(const char* layer, const char* method, const char* what) noexcept {
+  trt::report(kRouteExpertsPluginName, layer, method, what);
 }
 
 // The kernel's arguments for one call: views of the bound tensors plus the fields' scalars.
@@ -170,35 +73,7 @@ void check_counts(const RouteExpertsFields& f, int32_t nb_inputs, int32_t nb_out
 // ---- RouteExpertsFields -------------------------------------------------------------------------
 
 RouteExpertsFields RouteExpertsFields::from_collection(const PluginFieldCollection* fc) {
-  MOESPEC_CHECK_ARG(fc != nullptr, "fields", "no PluginFieldCollection given");
-  MOESPEC_CHECK_ARG(fc->nbFields >= 0 && (fc->nbFields == 0 || fc->fields != nullptr), "fields",
-                    "a collection of ", fc->nbFields, " fields without field data");
-  RouteExpertsFields out;
-  uint32_t seen = 0;
-  for (int32_t i = 0; i < fc->nbFields; ++i) {
-    const PluginField& given = fc->fields[i];
-    MOESPEC_CHECK_ARG(given.name != nullptr, "fields", "field ", i, " has no name");
-    bool matched = false;
-    int bit = 0;
-    visit_fields(out, [&](const char* name, auto& value) {
-      const uint32_t mask = 1u << bit++;
-      if (matched || std::strcmp(name, given.name) != 0) return;
-      matched = true;
-      using V = std::decay_t<decltype(value)>;
-      MOESPEC_CHECK_ARG(given.type == field_type<V>(), name, "expected type ", field_type_name(field_type<V>()),
-                        ", got PluginFieldType ", static_cast<int32_t>(given.type), " (",
-                        field_type_name(given.type), ")");
-      MOESPEC_CHECK_ARG(given.length == 1 && given.data != nullptr, name, "expected one value, got ", given.length,
-                        given.data == nullptr ? " and no data" : "");
-      MOESPEC_CHECK_ARG((seen & mask) == 0, name, "given more than once");
-      seen |= mask;
-      std::memcpy(&value, given.data, sizeof(V));
-    });
-    MOESPEC_CHECK_ARG(matched, given.name, "not a field of ", kRouteExpertsPluginName, " (its fields: ", field_names(),
-                      ")");
-  }
-  out.validate();
-  return out;
+  return fields_from_collection<RouteExpertsFields>(fc, kRouteExpertsPluginName);
 }
 
 void RouteExpertsFields::validate() const {
@@ -260,13 +135,7 @@ int32_t RouteExpertsFields::input_index(RouteExpertsInput input) const {
   return -1;
 }
 
-bool RouteExpertsFields::operator==(const RouteExpertsFields& other) const {
-  const std::vector<PluginField> a = to_plugin_fields(*this);
-  const std::vector<PluginField> b = to_plugin_fields(other);
-  for (size_t i = 0; i < a.size(); ++i)
-    if (std::memcmp(a[i].data, b[i].data, sizeof(int32_t)) != 0) return false;  // int32 or float32
-  return true;
-}
+bool RouteExpertsFields::operator==(const RouteExpertsFields& other) const { return same_fields(*this, other); }
 
 // ---- RouteExpertsPlugin -------------------------------------------------------------------------
 
@@ -411,10 +280,7 @@ int32_t RouteExpertsPlugin::enqueue(const PluginTensorDesc* input_desc, const Pl
   return guarded(layer_name_.c_str(), "enqueue", int32_t{-1}, [&] {
     MOESPEC_CHECK_ARG(input_desc != nullptr && output_desc != nullptr && inputs != nullptr && outputs != nullptr,
                       "inputs", "no tensors given");
-    int device = 0;
-    const cudaError_t status = cudaGetDevice(&device);
-    if (status != cudaSuccess) throw_runtime("cudaGetDevice failed: ", cudaGetErrorString(status));
-    const RouteExpertsArgs args = make_args(fields_, input_desc, inputs, output_desc, outputs, device);
+    const RouteExpertsArgs args = make_args(fields_, input_desc, inputs, output_desc, outputs, current_device());
     const int64_t T = args.router_logits.shape[0];
     const int64_t N = args.router_logits.shape[1];
     cuda::route_experts(args, workspace, cuda::route_experts_workspace_size(T, N, fields_.top_k),
@@ -429,20 +295,13 @@ nvinfer1::IPluginV3* RouteExpertsPlugin::attachToContext(nvinfer1::IPluginResour
 
 const PluginFieldCollection* RouteExpertsPlugin::getFieldsToSerialize() noexcept {
   return guarded(layer_name_.c_str(), "getFieldsToSerialize", static_cast<const PluginFieldCollection*>(nullptr), [&] {
-    serialized_ = to_plugin_fields(fields_);
-    serialized_collection_.nbFields = static_cast<int32_t>(serialized_.size());
-    serialized_collection_.fields = serialized_.data();
-    return static_cast<const PluginFieldCollection*>(&serialized_collection_);
+    return serialized_.serialize(fields_);
   });
 }
 
 // ---- RouteExpertsPluginCreator ------------------------------------------------------------------
 
-RouteExpertsPluginCreator::RouteExpertsPluginCreator() : field_names_(to_plugin_fields(RouteExpertsFields{})) {
-  for (PluginField& field : field_names_) field.data = nullptr;  // names and types only
-  field_names_collection_.nbFields = static_cast<int32_t>(field_names_.size());
-  field_names_collection_.fields = field_names_.data();
-}
+RouteExpertsPluginCreator::RouteExpertsPluginCreator() : field_names_(names_.names<RouteExpertsFields>()) {}
 
 nvinfer1::IPluginV3* RouteExpertsPluginCreator::createPlugin(const char* name, const PluginFieldCollection* fc,
                                                               nvinfer1::TensorRTPhase) noexcept {

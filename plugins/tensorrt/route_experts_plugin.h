@@ -29,13 +29,13 @@
 #include <vector>
 
 #include "moespec/route_experts.h"
+#include "plugin_common.h"
 
 namespace moespec {
 namespace trt {
 
 constexpr char kRouteExpertsPluginName[] = "MoespecRouteExperts";
 constexpr char kRouteExpertsPluginVersion[] = "1";
-constexpr char kPluginNamespace[] = "moespec";
 
 // Inputs, in this fixed order; an input whose has_* field is 0 is absent and the later ones move up
 // (RouteExpertsFields::input_index gives the position).
@@ -67,6 +67,23 @@ struct RouteExpertsFields {
   int32_t has_bias = 0;
   int32_t has_token_weights = 0;
   int32_t softmax_vector_width = 16;
+
+  // The field table (plugin_common.h): name and member, in serialization order.
+  template <typename F, typename Visit>
+  static void visit(F& f, Visit&& v) {
+    v("family", f.family);
+    v("top_k", f.top_k);
+    v("renormalize", f.renormalize);
+    v("n_group", f.n_group);
+    v("topk_group", f.topk_group);
+    v("scaling", f.scaling);
+    v("max_experts", f.max_experts);
+    v("policy", f.policy);
+    v("coverage", f.coverage);
+    v("has_bias", f.has_bias);
+    v("has_token_weights", f.has_token_weights);
+    v("softmax_vector_width", f.softmax_vector_width);
+  }
 
   // Reads the named fields of `fc` over the defaults and validates them; throws moespec::Error
   // naming the field at fault (unknown name, wrong type or length, bad value).
@@ -132,8 +149,7 @@ class RouteExpertsPlugin final : public nvinfer1::IPluginV3,
   const RouteExpertsFields fields_;
   const std::string namespace_;
   const std::string layer_name_;
-  std::vector<nvinfer1::PluginField> serialized_;  // points into fields_
-  nvinfer1::PluginFieldCollection serialized_collection_{};
+  FieldCollection serialized_;  // points into fields_
 };
 
 class RouteExpertsPluginCreator final : public nvinfer1::IPluginCreatorV3One {
@@ -145,7 +161,7 @@ class RouteExpertsPluginCreator final : public nvinfer1::IPluginCreatorV3One {
   // Returns nullptr, with the reason reported (plugin_log.h), when a field is unknown or invalid.
   nvinfer1::IPluginV3* createPlugin(const char* name, const nvinfer1::PluginFieldCollection* fc,
                                     nvinfer1::TensorRTPhase phase) noexcept override;
-  const nvinfer1::PluginFieldCollection* getFieldNames() noexcept override { return &field_names_collection_; }
+  const nvinfer1::PluginFieldCollection* getFieldNames() noexcept override { return field_names_; }
   const char* getPluginName() const noexcept override { return kRouteExpertsPluginName; }
   const char* getPluginVersion() const noexcept override { return kRouteExpertsPluginVersion; }
   const char* getPluginNamespace() const noexcept override { return namespace_.c_str(); }
@@ -155,8 +171,8 @@ class RouteExpertsPluginCreator final : public nvinfer1::IPluginCreatorV3One {
   void set_plugin_namespace(const std::string& plugin_namespace) { namespace_ = plugin_namespace; }
 
  private:
-  std::vector<nvinfer1::PluginField> field_names_;
-  nvinfer1::PluginFieldCollection field_names_collection_{};
+  FieldCollection names_;
+  const nvinfer1::PluginFieldCollection* field_names_ = nullptr;
   std::string namespace_ = kPluginNamespace;
 };
 
