@@ -47,7 +47,7 @@ constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
 constexpr int kTok = 8;                          // slots a warp carries per pass over its rows
 constexpr int kGroupThreads = 1024;
 constexpr int kCombineThreads = 256;
-constexpr int kMaxSlots = 64;                    // K of one token (combine's sort lives in shared memory)
+constexpr int kMaxSlots = static_cast<int>(kMaxMoeSlots);  // K of one token (combine's sort in shared memory)
 constexpr std::size_t kAlign = 256;
 
 std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 
+#include "moe_experts_plugin.h"
 #include "plugin_log.h"
 #include "route_experts_plugin.h"
 
@@ -33,13 +34,19 @@ moespec::trt::RouteExpertsPluginCreator& route_experts_creator() {
   return creator;
 }
 
+moespec::trt::MoeExpertsPluginCreator& moe_experts_creator() {
+  static moespec::trt::MoeExpertsPluginCreator creator;
+  return creator;
+}
+
 }  // namespace
 
-// The plugin creators of this library (MoespecRouteExperts, version "1", namespace "moespec").
+// The plugin creators of this library (MoespecRouteExperts and MoespecBudgetedMoe, version "1",
+// namespace "moespec").
 extern "C" MOESPEC_TRT_EXPORT nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
   nbCreators = 0;
   try {
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&route_experts_creator()};
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&route_experts_creator(), &moe_experts_creator()};
     nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
   } catch (const std::exception& e) {
@@ -79,14 +86,17 @@ extern "C" MOESPEC_TRT_EXPORT bool initMoespecPlugins(void* logger, const char* 
       moespec::trt::report_error("initMoespecPlugins", "getPluginRegistry() returned no registry");
       return false;
     }
-    moespec::trt::RouteExpertsPluginCreator& creator = route_experts_creator();
-    creator.set_plugin_namespace(ns);
-    if (!registry->registerCreator(creator, ns.c_str())) {
-      moespec::trt::report_error("initMoespecPlugins", ("the plugin registry refused creator " +
-                                                        std::string(creator.getPluginName()) + " version " +
-                                                        creator.getPluginVersion() + " in namespace '" + ns + "'")
-                                                           .c_str());
-      return false;
+    route_experts_creator().set_plugin_namespace(ns);
+    moe_experts_creator().set_plugin_namespace(ns);
+    nvinfer1::IPluginCreatorV3One* const creators[] = {&route_experts_creator(), &moe_experts_creator()};
+    for (nvinfer1::IPluginCreatorV3One* creator : creators) {
+      if (!registry->registerCreator(*creator, ns.c_str())) {
+        moespec::trt::report_error("initMoespecPlugins", ("the plugin registry refused creator " +
+                                                          std::string(creator->getPluginName()) + " version " +
+                                                          creator->getPluginVersion() + " in namespace '" + ns + "'")
+                                                             .c_str());
+        return false;
+      }
     }
     registered = ns;
     return true;

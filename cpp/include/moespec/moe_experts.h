@@ -68,8 +68,10 @@ namespace cpu {
 void moe_experts(const MoeExpertsArgs& args);
 }  // namespace cpu
 
-// The most experts the CUDA kernel groups (one block holds a count per expert).
+// The most experts the CUDA kernel groups (one block holds a count per expert) and the most slots
+// per token it combines (their order is sorted in shared memory).
 constexpr int64_t kMaxMoeExperts = 1024;
+constexpr int64_t kMaxMoeSlots = 64;
 
 namespace cuda {
 // Bytes of device scratch memory moe_experts needs for T tokens, K slots, E experts, H hidden, I
@@ -80,7 +82,7 @@ std::size_t moe_experts_workspace_size(int64_t T, int64_t K, int64_t E, int64_t 
 // `stream` (a cudaStream_t), no host synchronisation, no allocation (`workspace`: the bytes above,
 // 16-byte aligned, on the same device), so it can be captured in a CUDA graph. Differences from
 // the CPU: ids outside [0, E] cannot throw without a host sync: they are dropped and counted in
-// the workspace's error word; E <= kMaxMoeExperts and K <= 64. Results agree with the CPU op within
+// the workspace's error word; E <= kMaxMoeExperts and K <= kMaxMoeSlots. Results agree with the CPU op within
 // its SIMD tolerances (sums in another order), deterministically. Throws Error(kRuntime) when
 // moespec was built without CUDA.
 void moe_experts(const MoeExpertsArgs& args, void* workspace, std::size_t workspace_bytes, void* stream);
