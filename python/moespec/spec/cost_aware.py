@@ -291,9 +291,10 @@ class CostAwareTrees:
     def worth_expanding(self, frontier_scores, active: Sequence[bool]) -> bool:
         """Whether one more draft level can pay, at the last step's opening S / A: its children are
         at most as likely as their parents (the frontier, [B, K] cumulative log-probs), so the level
-        is skipped when no child can pay its token (rate x max a <= token_s: exact, the selection
-        would take none of them) or all of them together cannot pay the level's measured time and a
-        token (rate x sum a <= level_s + token_s). Always True until both have been measured."""
+        is skipped when no child can pay its token (rate x max a <= token_s: at that rate the
+        selection would take none of them) or all of them together cannot pay the level's measured
+        time and a token (rate x sum a <= level_s + token_s). Always True until both have been
+        measured."""
         if self.rate is None or self.level_s is None:
             return True
         live = np.flatnonzero(np.asarray(active, dtype=bool))
