@@ -157,6 +157,34 @@ void bind_draft_tree(py::module_& m) {
       py::arg("parents"), py::arg("depth"), py::arg("scores"), py::arg("predicted"), py::arg("predicted_p"),
       py::arg("buffer"), py::arg("expert_s"), py::arg("selected"), py::arg("step_s"), py::arg("accepted"),
       py::arg("token_s"), py::arg("total_tokens"));
+  m.def(
+      "select_cost_aware_cuda",
+      [](const py::object& parents, const py::object& depth, const py::object& scores,
+         const py::object& num_candidates, const py::object& predicted, const py::object& predicted_p,
+         const py::object& buffer, const py::object& expert_s, const py::object& state, const py::object& selected,
+         const py::object& count, float token_s, int32_t total_tokens, uintptr_t stream) {
+        SelectCostAwareBatchArgs a;
+        a.parents = to_view(parents, "parents");
+        a.depth = to_view(depth, "depth");
+        a.scores = to_view(scores, "scores");
+        a.num_candidates = to_view(num_candidates, "num_candidates");
+        a.predicted = to_view(predicted, "predicted");
+        a.predicted_p = to_view(predicted_p, "predicted_p");
+        a.buffer = to_view(buffer, "buffer");
+        a.expert_s = to_view(expert_s, "expert_s");
+        a.state = to_view(state, "state");
+        a.selected = to_view(selected, "selected");
+        a.count = to_view(count, "count");
+        a.token_s = token_s;
+        a.total_tokens = total_tokens;
+        py::gil_scoped_release release;
+        cuda::select_cost_aware(a, reinterpret_cast<void*>(stream));
+      },
+      "The cost-aware selection of a batch on CUDA (select_cost_aware.h, SelectCostAwareBatchArgs): buffer and "
+      "state (float64 [2]: S, A) in/out, selected int32 [B, C] and count int32 [B] out; no host sync.",
+      py::arg("parents"), py::arg("depth"), py::arg("scores"), py::arg("num_candidates"), py::arg("predicted"),
+      py::arg("predicted_p"), py::arg("buffer"), py::arg("expert_s"), py::arg("state"), py::arg("selected"),
+      py::arg("count"), py::arg("token_s"), py::arg("total_tokens"), py::arg("stream"));
   m.attr("kMaxDraftTopK") = kMaxDraftTopK;
   m.attr("kMaxDraftDepth") = kMaxDraftDepth;
   m.attr("kMaxDraftTreeTokens") = kMaxDraftTreeTokens;

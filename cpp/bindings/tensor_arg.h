@@ -23,7 +23,7 @@ inline TensorView to_view(const pybind11::object& desc, const char* arg) {
   MOESPEC_CHECK_ARG(t.size() == 6, arg, "malformed tensor descriptor");
   v.data = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
   const int code = t[1].cast<int>();
-  MOESPEC_CHECK_ARG(code >= 0 && code <= static_cast<int>(DType::kUInt8), arg, "unsupported dtype code ", code);
+  MOESPEC_CHECK_ARG(code >= 0 && code <= static_cast<int>(DType::kFloat64), arg, "unsupported dtype code ", code);
   v.dtype = static_cast<DType>(code);
   auto shape = t[2].cast<pybind11::tuple>();
   auto strides = t[3].cast<pybind11::tuple>();

@@ -2,6 +2,7 @@
 #include "moespec/error.h"
 #include "moespec/moe_experts.h"
 #include "moespec/route_experts.h"
+#include "moespec/select_cost_aware.h"
 
 namespace moespec {
 namespace cuda {
@@ -15,6 +16,10 @@ void route_experts(const RouteExpertsArgs&, void*, std::size_t, void*) {
 }
 
 std::size_t moe_experts_workspace_size(int64_t, int64_t, int64_t, int64_t, int64_t, DType) { return 0; }
+
+void select_cost_aware(const SelectCostAwareBatchArgs&, void*) {
+  throw_runtime("moespec was built without CUDA: reconfigure with -DMOESPEC_CUDA=ON (needs nvcc) to run on GPUs");
+}
 
 void moe_experts(const MoeExpertsArgs&, void*, std::size_t, void*) {
   throw_runtime("moespec was built without CUDA: reconfigure with -DMOESPEC_CUDA=ON (needs nvcc) to run on GPUs");

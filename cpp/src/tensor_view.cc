@@ -15,6 +15,7 @@ const char* dtype_name(DType dtype) {
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
     case DType::kUInt8: return "uint8";
+    case DType::kFloat64: return "float64";
   }
   return "unknown";
 }
@@ -27,6 +28,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
     case DType::kUInt8: return 1;
+    case DType::kFloat64: return 8;
   }
   return 0;
 }

@@ -17,6 +17,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.int32: 3,
     torch.int64: 4,
     torch.uint8: 5,
+    torch.float64: 6,
 }
 
 

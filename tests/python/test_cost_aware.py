@@ -300,3 +300,17 @@ def test_predictor_scores_native_bf16_equal_fp32_within_rounding():
     assert torch.allclose(exact, want, atol=1e-4)
     scale = x.abs().sum(-1).max() * predictor.weight.abs().max()
     assert (small - want).abs().max() <= 0.02 * scale
+
+
+def test_the_cuda_batch_selection_names_what_is_wrong_off_the_gpu():
+    """select_cost_aware_cuda takes CUDA tensors (its results are checked on a GPU by
+    tests/gpu/test_select_cost_aware_cuda.py); CPU tensors are refused by name, not crashed on."""
+    import torch
+
+    from moespec.spec.cost_aware import select_cost_aware_cuda
+
+    z = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises((ValueError, RuntimeError), match="parents|CUDA"):
+        select_cost_aware_cuda(z, z + 1, torch.zeros(1, 2), torch.tensor([2], dtype=torch.int32),
+                               torch.zeros(1, 2, 1, 1, dtype=torch.int32), None, torch.zeros(1, 4),
+                               SelectionCosts(0.0, np.zeros(1)), 2, torch.tensor([1.0, 1.0], dtype=torch.float64))

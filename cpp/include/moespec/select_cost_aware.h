@@ -55,3 +55,36 @@ struct SelectCostAwareResult {
 SelectCostAwareResult select_cost_aware(const SelectCostAwareArgs& args);
 
 }  // namespace moespec
+
+namespace moespec {
+
+// A batch of requests at once, on CUDA (cpp/kernels/select_cost_aware.cu): exactly the CPU rule
+// applied request after request with one buffer and S, A carried over (as the eco selector calls
+// select_cost_aware), in one launch with no host synchronisation. Request b's candidates are rows
+// [0, num_candidates[b]) of its slice. Values are not checked (that needs a host sync): the CPU
+// function is the one that names bad values; here an expert id outside [0, N) costs nothing and
+// joins nothing. Sums and products are rounded as the CPU rounds them (no fused multiply-add);
+// exp(score) is CUDA's double exp (within 1 ulp of glibc's), so a choice can differ from the CPU's
+// only between two gains within a few ulp of each other.
+struct SelectCostAwareBatchArgs {
+  TensorView parents;         // [B, C] int32
+  TensorView depth;           // [B, C] int32
+  TensorView scores;          // [B, C] float32
+  TensorView num_candidates;  // [B] int32 in [0, C]
+  TensorView predicted;       // [B, C, L, K] int32
+  TensorView predicted_p;     // [B, C, L, K] float32, or undefined: all 1
+  TensorView buffer;          // in/out [L, N] float32
+  TensorView expert_s;        // [L] float32
+  TensorView state;           // in/out [2] float64: S, A (A > 0)
+  TensorView selected;        // out [B, C] int32: request b's choice in order, then -1
+  TensorView count;           // out [B] int32
+  float token_s = 0.0f;
+  int32_t total_tokens = 1;
+};
+
+namespace cuda {
+// Throws Error(kInvalidArgument) naming a bad shape, dtype or device; Error(kRuntime) without CUDA.
+void select_cost_aware(const SelectCostAwareBatchArgs& args, void* stream);
+}  // namespace cuda
+
+}  // namespace moespec

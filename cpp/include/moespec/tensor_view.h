@@ -20,6 +20,7 @@ enum class DType : int32_t {
   kInt32 = 3,
   kInt64 = 4,
   kUInt8 = 5,
+  kFloat64 = 6,
 };
 
 enum class Device : int32_t {

@@ -154,6 +154,36 @@ def select_cost_aware_native(parents, depth, scores, predicted, predicted_p, buf
     return Selection(out[:n].tolist(), step, acc)
 
 
+def select_cost_aware_cuda(parents, depth, scores, num_candidates, predicted, predicted_p, buffer, costs: SelectionCosts,
+                           total_tokens: int, state):
+    """A batch's selection on CUDA in one launch (``moespec._native.select_cost_aware_cuda``): the rule
+    of :func:`select_cost_aware` applied request after request with one buffer and S, A carried, all
+    on the GPU with no host synchronisation. parents/depth int32 [B, C], scores float32 [B, C],
+    num_candidates int32 [B], predicted int32 [B, C, L, K], predicted_p float32 [B, C, L, K] or None,
+    buffer float32 [L, N] and state float64 [2] (S, A) updated in place: CUDA tensors. Returns
+    (selected int32 [B, C], -1 after each request's choice; count int32 [B])."""
+    import torch
+
+    from moespec._loader import native, require_cuda
+    from moespec._tensor import view
+
+    require_cuda()
+    if parents.device.type != "cuda":
+        raise ValueError(f"select_cost_aware_cuda: parents must be a CUDA tensor, got one on {parents.device} "
+                         "(select_cost_aware_native is the CPU function)")
+    B, C = parents.shape
+    device = parents.device
+    selected = torch.empty(B, C, dtype=torch.int32, device=device)
+    count = torch.empty(B, dtype=torch.int32, device=device)
+    expert_s = torch.as_tensor(np.asarray(costs.expert_s), dtype=torch.float32).to(device)
+    native().select_cost_aware_cuda(
+        view(parents, "parents"), view(depth, "depth"), view(scores, "scores"), view(num_candidates, "num_candidates"),
+        view(predicted, "predicted"), view(predicted_p, "predicted_p"), view(buffer, "buffer"),
+        view(expert_s, "expert_s"), view(state, "state"), view(selected, "selected"), view(count, "count"),
+        float(costs.token_s), int(total_tokens), torch.cuda.current_stream(device).cuda_stream)
+    return selected, count
+
+
 class StepPricer:
     """The cost model's prices for the selection (:mod:`moespec.cost.step_cost` on a hardware
     profile): ``costs`` (token: the dense weights' extra time for one more verify token plus the

@@ -1,0 +1,182 @@
+// select_cost_aware on the GPU (moespec::cuda::select_cost_aware): EcoSpec's cost-aware verify-set
+// choice for a whole batch in one launch, the rule of cpp/include/moespec/select_cost_aware.h (its
+// CPU function, cpp/src/select_cost_aware.cc, is the reference; python/moespec/spec/cost_aware.py
+// holds both to its plain-Python one). Tests: tests/gpu/test_select_cost_aware_cuda.py.
+//
+// One block walks the requests in order (the buffer, S and A carry from one to the next); in each
+// round every thread prices its share of the candidates (double sums in the CPU's order: layer by
+// layer, slot by slot, with explicit _rn intrinsics so that nvcc fuses no multiply-add the CPU does
+// not), a block reduction picks the best by (gain desc, score desc, depth asc, index asc), and the
+// block adds its experts to the buffer (float32, B <- 1 - (1 - B)(1 - p), unfused). No host
+// synchronisation, no allocation: capturable in a CUDA graph.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moespec/error.h"
+#include "moespec/select_cost_aware.h"
+
+namespace moespec {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct Best {
+  double gain, cost, accept;
+  float score;
+  int32_t depth, index;  // index -1: none
+};
+
+__device__ bool better(const Best& a, const Best& b) {  // a before b
+  if (b.index < 0) return a.index >= 0;
+  if (a.index < 0) return false;
+  if (a.gain != b.gain) return a.gain > b.gain;
+  if (a.score != b.score) return a.score > b.score;
+  if (a.depth != b.depth) return a.depth < b.depth;
+  return a.index < b.index;
+}
+
+__device__ bool repeat(const int32_t* e, int k) {
+  for (int j = 0; j < k; ++j)
+    if (e[j] == e[k]) return true;
+  return false;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    select_kernel(const int32_t* __restrict__ parents, const int32_t* __restrict__ depth,
+                  const float* __restrict__ scores, const int32_t* __restrict__ num_candidates,
+                  const int32_t* __restrict__ predicted, const float* __restrict__ prob, float* __restrict__ buffer,
+                  const float* __restrict__ expert_s, double* __restrict__ state, int32_t* __restrict__ selected,
+                  int32_t* __restrict__ count, int B, int C, int L, int K, int N, float token_s, int total_tokens) {
+  extern __shared__ unsigned char chosen[];  // [C]
+  __shared__ Best best[kThreads];
+  __shared__ double S, A;
+  __shared__ int32_t picked;
+  __shared__ bool any_cost;  // with all costs 0 the rule is EAGLE-2's: no stop at gain <= 0
+  if (threadIdx.x == 0) {
+    S = state[0], A = state[1];
+    any_cost = token_s > 0;
+    for (int l = 0; l < L; ++l) any_cost = any_cost || expert_s[l] > 0;
+  }
+  __syncthreads();
+  for (int b = 0; b < B; ++b) {
+    const int Cb = num_candidates[b];
+    const int32_t* par = parents + static_cast<int64_t>(b) * C;
+    const int32_t* dep = depth + static_cast<int64_t>(b) * C;
+    const float* sc = scores + static_cast<int64_t>(b) * C;
+    const int32_t* pred = predicted + static_cast<int64_t>(b) * C * L * K;
+    const float* pp = prob ? prob + static_cast<int64_t>(b) * C * L * K : nullptr;
+    int32_t* out = selected + static_cast<int64_t>(b) * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      chosen[c] = 0;
+      out[c] = -1;
+    }
+    __syncthreads();
+    const int limit = total_tokens < Cb ? total_tokens : Cb;
+    int n = 0;
+    while (n < limit) {
+      const double rate = S / A;
+      Best mine{0.0, 0.0, 0.0, 0.0f, 0, -1};
+      for (int c = threadIdx.x; c < Cb; c += blockDim.x) {
+        if (chosen[c] || (par[c] >= 0 && !chosen[par[c]])) continue;
+        double cost = token_s;
+        for (int l = 0; l < L; ++l) {
+          const int32_t* e = pred + (static_cast<int64_t>(c) * L + l) * K;
+          double fresh = 0.0;
+          for (int k = 0; k < K; ++k) {
+            if (repeat(e, k) || e[k] < 0 || e[k] >= N) continue;
+            const double p = pp ? static_cast<double>(pp[(static_cast<int64_t>(c) * L + l) * K + k]) : 1.0;
+            const double unread = __dsub_rn(1.0, static_cast<double>(buffer[static_cast<int64_t>(l) * N + e[k]]));
+            fresh = __dadd_rn(fresh, __dmul_rn(p, unread));
+          }
+          cost = __dadd_rn(cost, __dmul_rn(static_cast<double>(expert_s[l]), fresh));
+        }
+        const double accept = isfinite(sc[c]) ? exp(static_cast<double>(sc[c])) : 0.0;
+        const Best cand{__dsub_rn(__dmul_rn(rate, accept), cost), cost, accept, sc[c], dep[c], c};
+        if (better(cand, mine)) mine = cand;
+      }
+      best[threadIdx.x] = mine;
+      __syncthreads();
+      for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride && better(best[threadIdx.x + stride], best[threadIdx.x]))
+          best[threadIdx.x] = best[threadIdx.x + stride];
+        __syncthreads();
+      }
+      if (threadIdx.x == 0) {
+        const Best& top = best[0];
+        picked = top.index < 0 || (top.gain <= 0.0 && any_cost) ? -1 : top.index;
+        if (picked >= 0) {
+          chosen[picked] = 1;
+          out[n] = picked;
+          S = __dadd_rn(S, top.cost);
+          A = __dadd_rn(A, top.accept);
+        }
+      }
+      __syncthreads();
+      if (picked < 0) break;
+      for (int i = threadIdx.x; i < L * K; i += blockDim.x) {  // its experts join the buffer
+        const int l = i / K, k = i % K;
+        const int32_t* e = pred + (static_cast<int64_t>(picked) * L + l) * K;
+        if (repeat(e, k) || e[k] < 0 || e[k] >= N) continue;  // (one slot per expert: no race)
+        const float p = pp ? pp[(static_cast<int64_t>(picked) * L + l) * K + k] : 1.0f;
+        float& v = buffer[static_cast<int64_t>(l) * N + e[k]];
+        v = __fsub_rn(1.0f, __fmul_rn(__fsub_rn(1.0f, v), __fsub_rn(1.0f, p)));
+      }
+      __syncthreads();
+      ++n;
+    }
+    if (threadIdx.x == 0) count[b] = n;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) state[0] = S, state[1] = A;
+}
+
+}  // namespace
+
+void select_cost_aware(const SelectCostAwareBatchArgs& a, void* stream) {
+  check_not_null(a.parents, "parents");
+  MOESPEC_CHECK_ARG(a.parents.ndim == 2, "parents", "expected [B, C], got ", a.parents.describe());
+  const int64_t B = a.parents.shape[0], C = a.parents.shape[1];
+  check_not_null(a.predicted, "predicted");
+  MOESPEC_CHECK_ARG(a.predicted.ndim == 4, "predicted", "expected [B, C, L, K], got ", a.predicted.describe());
+  const int64_t L = a.predicted.shape[2], K = a.predicted.shape[3];
+  check_not_null(a.buffer, "buffer");
+  MOESPEC_CHECK_ARG(a.buffer.ndim == 2, "buffer", "expected [L, N], got ", a.buffer.describe());
+  const int64_t N = a.buffer.shape[1];
+  const int32_t dev = a.parents.device_index;
+  const auto cuda_view = [&](const TensorView& v, const char* name, DType dtype, std::initializer_list<int64_t> dims) {
+    check_view(v, name, {dtype}, dims);
+    check_contiguous(v, name);
+    check_device(v, name, Device::kCUDA, dev);
+  };
+  cuda_view(a.parents, "parents", DType::kInt32, {B, C});
+  cuda_view(a.depth, "depth", DType::kInt32, {B, C});
+  cuda_view(a.scores, "scores", DType::kFloat32, {B, C});
+  cuda_view(a.num_candidates, "num_candidates", DType::kInt32, {B});
+  cuda_view(a.predicted, "predicted", DType::kInt32, {B, C, L, K});
+  if (a.predicted_p.defined()) cuda_view(a.predicted_p, "predicted_p", DType::kFloat32, {B, C, L, K});
+  cuda_view(a.buffer, "buffer", DType::kFloat32, {L, N});
+  cuda_view(a.expert_s, "expert_s", DType::kFloat32, {L});
+  cuda_view(a.state, "state", DType::kFloat64, {2});
+  cuda_view(a.selected, "selected", DType::kInt32, {B, C});
+  cuda_view(a.count, "count", DType::kInt32, {B});
+  MOESPEC_CHECK_ARG(a.total_tokens >= 1, "total_tokens", "must be >= 1, got ", a.total_tokens);
+  MOESPEC_CHECK_ARG(a.token_s >= 0, "token_s", "must be >= 0, got ", a.token_s);
+  MOESPEC_CHECK_ARG(C <= (int64_t{1} << 20) && L * K <= (int64_t{1} << 20), "predicted", "too many candidates or slots: ",
+                    a.predicted.describe());
+  if (B == 0) return;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  select_kernel<<<1, kThreads, static_cast<std::size_t>(C), s>>>(
+      a.parents.ptr<const int32_t>(), a.depth.ptr<const int32_t>(), a.scores.ptr<const float>(),
+      a.num_candidates.ptr<const int32_t>(), a.predicted.ptr<const int32_t>(),
+      a.predicted_p.defined() ? a.predicted_p.ptr<const float>() : nullptr, a.buffer.ptr<float>(),
+      a.expert_s.ptr<const float>(), a.state.ptr<double>(), a.selected.ptr<int32_t>(), a.count.ptr<int32_t>(),
+      static_cast<int>(B), static_cast<int>(C), static_cast<int>(L), static_cast<int>(K), static_cast<int>(N),
+      a.token_s, a.total_tokens);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw_runtime("moespec::cuda::select_cost_aware: launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace cuda
+}  // namespace moespec

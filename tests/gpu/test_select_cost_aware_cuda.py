@@ -1,0 +1,70 @@
+"""select_cost_aware on CUDA (cpp/kernels/select_cost_aware.cu), a batch in one launch, against the
+plain-Python reference applied request after request with one buffer and S, A carried
+(python/moespec/spec/cost_aware.py, itself held equal to the C++ CPU function): the same nodes in the
+same order, the same buffer bit for bit, S and A within 1e-12. Random batches from fixed seeds (hard
+and soft predictions, repeated ids, zero and non-zero costs); a choice may differ from the CPU's only
+between two gains within a few ulp (CUDA's double exp), which random inputs do not produce.
+Skipped without a CUDA device or a CUDA build."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from gpu_common import require_cuda_build
+
+require_cuda_build()
+
+from moespec.spec.cost_aware import SelectionCosts, select_cost_aware, select_cost_aware_cuda  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def batch(seed: int):
+    rng = np.random.default_rng(seed)
+    B, C = int(rng.integers(1, 5)), int(rng.integers(1, 40))
+    L, K, N = int(rng.integers(1, 4)), int(rng.integers(1, 5)), int(rng.integers(4, 12))
+    parents, depth, scores = np.full((B, C), -1, np.int32), np.ones((B, C), np.int32), np.zeros((B, C), np.float32)
+    num = rng.integers(0, C + 1, B).astype(np.int32)
+    for b in range(B):
+        for c in range(C):
+            p = int(rng.integers(-1, c)) if c else -1
+            parents[b, c] = p
+            depth[b, c] = 1 if p < 0 else depth[b, p] + 1
+            scores[b, c] = (scores[b, p] if p >= 0 else 0.0) + np.float32(-rng.random() * 3)
+    predicted = rng.integers(0, N, (B, C, L, K)).astype(np.int32)
+    soft = bool(rng.integers(0, 2))
+    predicted_p = rng.random((B, C, L, K)).astype(np.float32) if soft else None
+    buffer = (rng.random((L, N)) * (rng.random((L, N)) < 0.3)).astype(np.float32)
+    zero = rng.random() < 0.2
+    costs = SelectionCosts(0.0 if zero else float(rng.choice([0.0, 0.125, 0.5])),
+                           np.zeros(L) if zero else np.full(L, float(rng.choice([0.0625, 0.25]))))
+    return parents, depth, scores, num, predicted, predicted_p, buffer, costs, int(rng.integers(1, 30)), \
+        float(rng.choice([0.5, 2.0, 8.0])), float(rng.choice([1.0, 2.5]))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_batch_on_cuda_equals_the_reference_request_by_request(seed):
+    parents, depth, scores, num, predicted, predicted_p, buffer, costs, total, step_s, accepted = batch(seed)
+    want_buffer = buffer.copy()
+    want, S, A = [], step_s, accepted
+    for b in range(len(parents)):
+        n = int(num[b])
+        chosen, S, A = select_cost_aware(parents[b, :n].tolist(), depth[b, :n].tolist(), scores[b, :n].tolist(),
+                                         predicted[b, :n], None if predicted_p is None else predicted_p[b, :n],
+                                         want_buffer, costs, total, step_s=S, accepted=A)
+        want.append(chosen)
+    gpu_buffer = torch.from_numpy(buffer.copy()).to(CUDA)
+    state = torch.tensor([step_s, accepted], dtype=torch.float64, device=CUDA)
+    t = lambda x: None if x is None else torch.from_numpy(x).to(CUDA)  # noqa: E731
+    selected, count = select_cost_aware_cuda(t(parents), t(depth), t(scores), t(num), t(predicted), t(predicted_p),
+                                             gpu_buffer, costs, total, state)
+    torch.cuda.synchronize()
+    got = [selected[b, : int(count[b])].tolist() for b in range(len(parents))]
+    assert got == want
+    assert all(bool((selected[b, int(count[b]):] == -1).all()) for b in range(len(parents)))
+    assert np.array_equal(gpu_buffer.cpu().numpy(), want_buffer)
+    s, a = state.tolist()
+    assert math.isclose(s, S, rel_tol=1e-12, abs_tol=1e-15) and math.isclose(a, A, rel_tol=1e-12)
