@@ -22,11 +22,6 @@ namespace {
 
 constexpr int32_t idx(MoeExpertsInput input) { return static_cast<int32_t>(input); }
 
-template <typename Result, typename Body>
-Result guarded(const char* layer, const char* method, Result on_error, Body&& body) noexcept {
-  return trt::guarded(kMoeExpertsPluginName, layer, method, on_error, std::forward<Body>(body));
-}
-
 MoeExpertsArgs make_args(const MoeExpertsFields& f, const PluginTensorDesc* in, const void* const* inputs,
                          const PluginTensorDesc& out, void* output, int32_t device_index) {
   MoeExpertsArgs args;
@@ -59,10 +54,6 @@ const nvinfer1::Dims& dims_2d(const nvinfer1::Dims& d, const char* name, const c
 
 // ---- MoeExpertsFields ----------------------------------------------------------------------------
 
-MoeExpertsFields MoeExpertsFields::from_collection(const PluginFieldCollection* fc) {
-  return fields_from_collection<MoeExpertsFields>(fc, kMoeExpertsPluginName);
-}
-
 void MoeExpertsFields::validate() const {
   MOESPEC_CHECK_ARG(intermediate_size >= 1, "intermediate_size", "must be >= 1, got ", intermediate_size,
                     intermediate_size == 0 ? " (a required field)" : "");
@@ -76,30 +67,9 @@ void MoeExpertsFields::validate() const {
 
 // ---- MoeExpertsPlugin ----------------------------------------------------------------------------
 
-MoeExpertsPlugin::MoeExpertsPlugin(const MoeExpertsFields& fields, std::string plugin_namespace,
-                                   std::string layer_name)
-    : fields_(fields), namespace_(std::move(plugin_namespace)), layer_name_(std::move(layer_name)) {
-  fields_.validate();
-}
-
-nvinfer1::IPluginCapability* MoeExpertsPlugin::getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept {
-  switch (type) {
-    case nvinfer1::PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
-    case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<nvinfer1::IPluginV3OneBuild*>(this);
-    case nvinfer1::PluginCapabilityType::kRUNTIME: return static_cast<nvinfer1::IPluginV3OneRuntime*>(this);
-  }
-  report(kMoeExpertsPluginName, layer_name_.c_str(), "getCapabilityInterface", "unknown PluginCapabilityType");
-  return nullptr;
-}
-
-nvinfer1::IPluginV3* MoeExpertsPlugin::clone() noexcept {
-  return guarded(layer_name_.c_str(), "clone", static_cast<nvinfer1::IPluginV3*>(nullptr),
-                 [&]() -> nvinfer1::IPluginV3* { return new MoeExpertsPlugin(fields_, namespace_, layer_name_); });
-}
-
 int32_t MoeExpertsPlugin::configurePlugin(const DynamicPluginTensorDesc* in, int32_t nb_inputs,
                                           const DynamicPluginTensorDesc* out, int32_t nb_outputs) noexcept {
-  return guarded(layer_name_.c_str(), "configurePlugin", int32_t{-1}, [&] {
+  return guard("configurePlugin", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(in != nullptr && out != nullptr, "inputs", "no tensor descriptions given");
     // The core's checks on the profile's largest shapes (shapes only: placeholders stand in for data).
@@ -124,7 +94,7 @@ int32_t MoeExpertsPlugin::configurePlugin(const DynamicPluginTensorDesc* in, int
 
 int32_t MoeExpertsPlugin::getOutputDataTypes(DataType* output_types, int32_t nb_outputs, const DataType* input_types,
                                              int32_t nb_inputs) const noexcept {
-  return guarded(layer_name_.c_str(), "getOutputDataTypes", int32_t{-1}, [&] {
+  return guard("getOutputDataTypes", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(output_types != nullptr && input_types != nullptr, "outputs", "no type arrays given");
     output_types[0] = input_types[idx(MoeExpertsInput::kX)];  // out has x's dtype
@@ -134,7 +104,7 @@ int32_t MoeExpertsPlugin::getOutputDataTypes(DataType* output_types, int32_t nb_
 
 int32_t MoeExpertsPlugin::getOutputShapes(const DimsExprs* inputs, int32_t nb_inputs, const DimsExprs*, int32_t,
                                           DimsExprs* outputs, int32_t nb_outputs, nvinfer1::IExprBuilder&) noexcept {
-  return guarded(layer_name_.c_str(), "getOutputShapes", int32_t{-1}, [&] {
+  return guard("getOutputShapes", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(inputs != nullptr && outputs != nullptr, "inputs", "no dimension arrays given");
     const DimsExprs& x = inputs[idx(MoeExpertsInput::kX)];
@@ -146,7 +116,7 @@ int32_t MoeExpertsPlugin::getOutputShapes(const DimsExprs* inputs, int32_t nb_in
 
 bool MoeExpertsPlugin::supportsFormatCombination(int32_t pos, const DynamicPluginTensorDesc* in_out,
                                                  int32_t nb_inputs, int32_t nb_outputs) noexcept {
-  return guarded(layer_name_.c_str(), "supportsFormatCombination", false, [&] {
+  return guard("supportsFormatCombination", false, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(in_out != nullptr && pos >= 0 && pos < nb_inputs + nb_outputs, "pos", "position ", pos,
                       " outside the ", nb_inputs + nb_outputs, " tensors");
@@ -168,7 +138,7 @@ bool MoeExpertsPlugin::supportsFormatCombination(int32_t pos, const DynamicPlugi
 
 size_t MoeExpertsPlugin::getWorkspaceSize(const DynamicPluginTensorDesc* inputs, int32_t nb_inputs,
                                           const DynamicPluginTensorDesc*, int32_t nb_outputs) const noexcept {
-  return guarded(layer_name_.c_str(), "getWorkspaceSize", size_t{0}, [&] {
+  return guard("getWorkspaceSize", size_t{0}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(inputs != nullptr, "inputs", "no tensor descriptions given");
     const nvinfer1::Dims& x = dims_2d(inputs[idx(MoeExpertsInput::kX)].max, "x", "[T, H]");
@@ -181,7 +151,7 @@ size_t MoeExpertsPlugin::getWorkspaceSize(const DynamicPluginTensorDesc* inputs,
 
 int32_t MoeExpertsPlugin::onShapeChange(const PluginTensorDesc* in, int32_t nb_inputs, const PluginTensorDesc* out,
                                         int32_t nb_outputs) noexcept {
-  return guarded(layer_name_.c_str(), "onShapeChange", int32_t{-1}, [&] {
+  return guard("onShapeChange", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(in != nullptr && out != nullptr, "inputs", "no tensor descriptions given");
     return int32_t{0};  // enqueue reads the shapes it gets
@@ -191,7 +161,7 @@ int32_t MoeExpertsPlugin::onShapeChange(const PluginTensorDesc* in, int32_t nb_i
 int32_t MoeExpertsPlugin::enqueue(const PluginTensorDesc* input_desc, const PluginTensorDesc* output_desc,
                                   const void* const* inputs, void* const* outputs, void* workspace,
                                   cudaStream_t stream) noexcept {
-  return guarded(layer_name_.c_str(), "enqueue", int32_t{-1}, [&] {
+  return guard("enqueue", int32_t{-1}, [&] {
     MOESPEC_CHECK_ARG(input_desc != nullptr && output_desc != nullptr && inputs != nullptr && outputs != nullptr,
                       "inputs", "no tensors given");
     const MoeExpertsArgs args = make_args(fields_, input_desc, inputs, output_desc[0], outputs[0], current_device());
@@ -200,26 +170,6 @@ int32_t MoeExpertsPlugin::enqueue(const PluginTensorDesc* input_desc, const Plug
         args.x.dtype);
     cuda::moe_experts(args, workspace, bytes, static_cast<void*>(stream));
     return int32_t{0};
-  });
-}
-
-nvinfer1::IPluginV3* MoeExpertsPlugin::attachToContext(nvinfer1::IPluginResourceContext*) noexcept {
-  return clone();  // no per-context resources
-}
-
-const PluginFieldCollection* MoeExpertsPlugin::getFieldsToSerialize() noexcept {
-  return guarded(layer_name_.c_str(), "getFieldsToSerialize", static_cast<const PluginFieldCollection*>(nullptr),
-                 [&] { return serialized_.serialize(fields_); });
-}
-
-// ---- MoeExpertsPluginCreator ---------------------------------------------------------------------
-
-MoeExpertsPluginCreator::MoeExpertsPluginCreator() : field_names_(names_.names<MoeExpertsFields>()) {}
-
-nvinfer1::IPluginV3* MoeExpertsPluginCreator::createPlugin(const char* name, const PluginFieldCollection* fc,
-                                                            nvinfer1::TensorRTPhase) noexcept {
-  return guarded(name, "createPlugin", static_cast<nvinfer1::IPluginV3*>(nullptr), [&]() -> nvinfer1::IPluginV3* {
-    return new MoeExpertsPlugin(MoeExpertsFields::from_collection(fc), namespace_, name != nullptr ? name : "");
   });
 }
 

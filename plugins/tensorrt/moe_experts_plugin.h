@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "moespec/moe_experts.h"
 #include "plugin_common.h"
@@ -52,31 +53,17 @@ struct MoeExpertsFields {
     v("alpha", f.alpha);
     v("has_biases", f.has_biases);
   }
-  static MoeExpertsFields from_collection(const nvinfer1::PluginFieldCollection* fc);
   void validate() const;
   int32_t nb_inputs() const { return 4 + has_biases; }
   bool operator==(const MoeExpertsFields& other) const { return same_fields(*this, other); }
 };
 
-class MoeExpertsPlugin final : public nvinfer1::IPluginV3,
-                               public nvinfer1::IPluginV3OneCore,
-                               public nvinfer1::IPluginV3OneBuild,
-                               public nvinfer1::IPluginV3OneRuntime {
+class MoeExpertsPlugin final : public PluginBase<MoeExpertsPlugin, MoeExpertsFields> {
  public:
-  MoeExpertsPlugin(const MoeExpertsFields& fields, std::string plugin_namespace, std::string layer_name = "");
-  MoeExpertsPlugin(const MoeExpertsPlugin&) = delete;
-  MoeExpertsPlugin& operator=(const MoeExpertsPlugin&) = delete;
-
-  const MoeExpertsFields& fields() const { return fields_; }
-
-  // IPluginV3
-  nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
-  nvinfer1::IPluginV3* clone() noexcept override;
-
-  // IPluginV3OneCore
-  const char* getPluginName() const noexcept override { return kMoeExpertsPluginName; }
-  const char* getPluginVersion() const noexcept override { return kMoeExpertsPluginVersion; }
-  const char* getPluginNamespace() const noexcept override { return namespace_.c_str(); }
+  static constexpr const char* kName = kMoeExpertsPluginName;
+  static constexpr const char* kVersion = kMoeExpertsPluginVersion;
+  MoeExpertsPlugin(const MoeExpertsFields& fields, std::string plugin_namespace, std::string layer_name = "")
+      : PluginBase(fields, std::move(plugin_namespace), std::move(layer_name)) {}
 
   // IPluginV3OneBuild
   int32_t configurePlugin(const nvinfer1::DynamicPluginTensorDesc* in, int32_t nb_inputs,
@@ -98,35 +85,9 @@ class MoeExpertsPlugin final : public nvinfer1::IPluginV3,
   int32_t enqueue(const nvinfer1::PluginTensorDesc* input_desc, const nvinfer1::PluginTensorDesc* output_desc,
                   const void* const* inputs, void* const* outputs, void* workspace,
                   cudaStream_t stream) noexcept override;
-  nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
-  const nvinfer1::PluginFieldCollection* getFieldsToSerialize() noexcept override;
-
- private:
-  const MoeExpertsFields fields_;
-  const std::string namespace_;
-  const std::string layer_name_;
-  FieldCollection serialized_;
 };
 
-class MoeExpertsPluginCreator final : public nvinfer1::IPluginCreatorV3One {
- public:
-  MoeExpertsPluginCreator();
-  MoeExpertsPluginCreator(const MoeExpertsPluginCreator&) = delete;
-  MoeExpertsPluginCreator& operator=(const MoeExpertsPluginCreator&) = delete;
-
-  nvinfer1::IPluginV3* createPlugin(const char* name, const nvinfer1::PluginFieldCollection* fc,
-                                    nvinfer1::TensorRTPhase phase) noexcept override;
-  const nvinfer1::PluginFieldCollection* getFieldNames() noexcept override { return field_names_; }
-  const char* getPluginName() const noexcept override { return kMoeExpertsPluginName; }
-  const char* getPluginVersion() const noexcept override { return kMoeExpertsPluginVersion; }
-  const char* getPluginNamespace() const noexcept override { return namespace_.c_str(); }
-  void set_plugin_namespace(const std::string& plugin_namespace) { namespace_ = plugin_namespace; }
-
- private:
-  FieldCollection names_;
-  const nvinfer1::PluginFieldCollection* field_names_ = nullptr;
-  std::string namespace_ = kPluginNamespace;
-};
+using MoeExpertsPluginCreator = PluginCreator<MoeExpertsPlugin>;
 
 }  // namespace trt
 }  // namespace moespec

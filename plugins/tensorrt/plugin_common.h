@@ -20,6 +20,7 @@
 #include <exception>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "moespec/error.h"
@@ -147,6 +148,94 @@ Result guarded(const char* plugin, const char* layer, const char* method, Result
   }
   return on_error;
 }
+
+// The IPluginV3 plumbing every plugin shares: its capabilities, identity (Derived::kName,
+// Derived::kVersion, the namespace), its fields (validated at construction), clone and
+// attachToContext (no per-context resources), serialization (the fields), and `guard` for
+// noexcept methods. Derived adds the build and runtime methods of its op.
+template <typename Derived, typename FieldsT>
+class PluginBase : public nvinfer1::IPluginV3,
+                   public nvinfer1::IPluginV3OneCore,
+                   public nvinfer1::IPluginV3OneBuild,
+                   public nvinfer1::IPluginV3OneRuntime {
+ public:
+  using Fields = FieldsT;
+  // Throws moespec::Error if `fields` fail validate(). `layer_name` only labels error reports.
+  PluginBase(const Fields& fields, std::string plugin_namespace, std::string layer_name)
+      : fields_(fields), namespace_(std::move(plugin_namespace)), layer_name_(std::move(layer_name)) {
+    fields_.validate();
+  }
+  PluginBase(const PluginBase&) = delete;
+  PluginBase& operator=(const PluginBase&) = delete;
+
+  const Fields& fields() const { return fields_; }
+
+  nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override {
+    switch (type) {
+      case nvinfer1::PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
+      case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<nvinfer1::IPluginV3OneBuild*>(this);
+      case nvinfer1::PluginCapabilityType::kRUNTIME: return static_cast<nvinfer1::IPluginV3OneRuntime*>(this);
+    }
+    report(Derived::kName, layer_name_.c_str(), "getCapabilityInterface", "unknown PluginCapabilityType");
+    return nullptr;
+  }
+  nvinfer1::IPluginV3* clone() noexcept override {
+    return guard("clone", static_cast<nvinfer1::IPluginV3*>(nullptr),
+                 [&]() -> nvinfer1::IPluginV3* { return new Derived(fields_, namespace_, layer_name_); });
+  }
+  const char* getPluginName() const noexcept override { return Derived::kName; }
+  const char* getPluginVersion() const noexcept override { return Derived::kVersion; }
+  const char* getPluginNamespace() const noexcept override { return namespace_.c_str(); }
+  nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext*) noexcept override { return clone(); }
+  const nvinfer1::PluginFieldCollection* getFieldsToSerialize() noexcept override {
+    return guard("getFieldsToSerialize", static_cast<const nvinfer1::PluginFieldCollection*>(nullptr),
+                 [&] { return serialized_.serialize(fields_); });
+  }
+
+ protected:
+  template <typename Result, typename Body>
+  Result guard(const char* method, Result on_error, Body&& body) const noexcept {
+    return guarded(Derived::kName, layer_name_.c_str(), method, on_error, std::forward<Body>(body));
+  }
+
+  const Fields fields_;
+  const std::string namespace_;
+  const std::string layer_name_;
+
+ private:
+  FieldCollection serialized_;  // points into fields_
+};
+
+// The creator of a PluginBase plugin: field names from its table, plugins from a collection.
+template <typename Plugin>
+class PluginCreator final : public nvinfer1::IPluginCreatorV3One {
+ public:
+  PluginCreator() : field_names_(names_.template names<typename Plugin::Fields>()) {}
+  PluginCreator(const PluginCreator&) = delete;
+  PluginCreator& operator=(const PluginCreator&) = delete;
+
+  // Returns nullptr, with the reason reported (plugin_log.h), when a field is unknown or invalid.
+  nvinfer1::IPluginV3* createPlugin(const char* name, const nvinfer1::PluginFieldCollection* fc,
+                                    nvinfer1::TensorRTPhase) noexcept override {
+    return guarded(Plugin::kName, name, "createPlugin", static_cast<nvinfer1::IPluginV3*>(nullptr),
+                   [&]() -> nvinfer1::IPluginV3* {
+                     return new Plugin(fields_from_collection<typename Plugin::Fields>(fc, Plugin::kName), namespace_,
+                                       name != nullptr ? name : "");
+                   });
+  }
+  const nvinfer1::PluginFieldCollection* getFieldNames() noexcept override { return field_names_; }
+  const char* getPluginName() const noexcept override { return Plugin::kName; }
+  const char* getPluginVersion() const noexcept override { return Plugin::kVersion; }
+  const char* getPluginNamespace() const noexcept override { return namespace_.c_str(); }
+  // The namespace given to the plugins created from now on (kPluginNamespace by default); set it
+  // before registering the creator under that namespace.
+  void set_plugin_namespace(const std::string& plugin_namespace) { namespace_ = plugin_namespace; }
+
+ private:
+  FieldCollection names_;
+  const nvinfer1::PluginFieldCollection* field_names_;
+  std::string namespace_ = kPluginNamespace;
+};
 
 DType to_dtype(nvinfer1::DataType type);
 

@@ -31,15 +31,6 @@ constexpr int32_t kNbOutputs = static_cast<int32_t>(RouteExpertsOutput::kCount);
 
 constexpr int32_t idx(RouteExpertsOutput output) { return static_cast<int32_t>(output); }
 
-template <typename Result, typename Body>
-Result guarded(const char* layer, const char* method, Result on_error, Body&& body) noexcept {
-  return trt::guarded(kRouteExpertsPluginName, layer, method, on_error, std::forward<Body>(body));
-}
-
-void report(const char* layer, const char* method, const char* what) noexcept {
-  trt::report(kRouteExpertsPluginName, layer, method, what);
-}
-
 // The kernel's arguments for one call: views of the bound tensors plus the fields' scalars.
 RouteExpertsArgs make_args(const RouteExpertsFields& f, const PluginTensorDesc* in, const void* const* inputs,
                            const PluginTensorDesc* out, void* const* outputs, int32_t device_index) {
@@ -71,10 +62,6 @@ void check_counts(const RouteExpertsFields& f, int32_t nb_inputs, int32_t nb_out
 }  // namespace
 
 // ---- RouteExpertsFields -------------------------------------------------------------------------
-
-RouteExpertsFields RouteExpertsFields::from_collection(const PluginFieldCollection* fc) {
-  return fields_from_collection<RouteExpertsFields>(fc, kRouteExpertsPluginName);
-}
 
 void RouteExpertsFields::validate() const {
   MOESPEC_CHECK_ARG(family == static_cast<int32_t>(RouterFamily::kSoftmax) ||
@@ -139,30 +126,9 @@ bool RouteExpertsFields::operator==(const RouteExpertsFields& other) const { ret
 
 // ---- RouteExpertsPlugin -------------------------------------------------------------------------
 
-RouteExpertsPlugin::RouteExpertsPlugin(const RouteExpertsFields& fields, std::string plugin_namespace,
-                                       std::string layer_name)
-    : fields_(fields), namespace_(std::move(plugin_namespace)), layer_name_(std::move(layer_name)) {
-  fields_.validate();
-}
-
-nvinfer1::IPluginCapability* RouteExpertsPlugin::getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept {
-  switch (type) {
-    case nvinfer1::PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
-    case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<nvinfer1::IPluginV3OneBuild*>(this);
-    case nvinfer1::PluginCapabilityType::kRUNTIME: return static_cast<nvinfer1::IPluginV3OneRuntime*>(this);
-  }
-  report(layer_name_.c_str(), "getCapabilityInterface", "unknown PluginCapabilityType");
-  return nullptr;
-}
-
-nvinfer1::IPluginV3* RouteExpertsPlugin::clone() noexcept {
-  return guarded(layer_name_.c_str(), "clone", static_cast<nvinfer1::IPluginV3*>(nullptr),
-                 [&]() -> nvinfer1::IPluginV3* { return new RouteExpertsPlugin(fields_, namespace_, layer_name_); });
-}
-
 int32_t RouteExpertsPlugin::configurePlugin(const DynamicPluginTensorDesc* in, int32_t nb_inputs,
                                             const DynamicPluginTensorDesc* out, int32_t nb_outputs) noexcept {
-  return guarded(layer_name_.c_str(), "configurePlugin", int32_t{-1}, [&] {
+  return guard("configurePlugin", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(in != nullptr && out != nullptr, "inputs", "no tensor descriptions given");
     // The core's shape and scalar checks, on the profile's largest input shapes, the outputs at the
@@ -195,7 +161,7 @@ int32_t RouteExpertsPlugin::configurePlugin(const DynamicPluginTensorDesc* in, i
 
 int32_t RouteExpertsPlugin::getOutputDataTypes(DataType* output_types, int32_t nb_outputs,
                                                const DataType* input_types, int32_t nb_inputs) const noexcept {
-  return guarded(layer_name_.c_str(), "getOutputDataTypes", int32_t{-1}, [&] {
+  return guard("getOutputDataTypes", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(output_types != nullptr && input_types != nullptr, "outputs", "no type arrays given");
     output_types[idx(RouteExpertsOutput::kIds)] = DataType::kINT32;
@@ -209,7 +175,7 @@ int32_t RouteExpertsPlugin::getOutputDataTypes(DataType* output_types, int32_t n
 int32_t RouteExpertsPlugin::getOutputShapes(const DimsExprs* inputs, int32_t nb_inputs, const DimsExprs*, int32_t,
                                             DimsExprs* outputs, int32_t nb_outputs,
                                             nvinfer1::IExprBuilder& expr_builder) noexcept {
-  return guarded(layer_name_.c_str(), "getOutputShapes", int32_t{-1}, [&] {
+  return guard("getOutputShapes", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(inputs != nullptr && outputs != nullptr, "inputs", "no dimension arrays given");
     const DimsExprs& logits = inputs[fields_.input_index(RouteExpertsInput::kRouterLogits)];
@@ -240,7 +206,7 @@ int32_t RouteExpertsPlugin::getOutputShapes(const DimsExprs* inputs, int32_t nb_
 
 bool RouteExpertsPlugin::supportsFormatCombination(int32_t pos, const DynamicPluginTensorDesc* in_out,
                                                    int32_t nb_inputs, int32_t nb_outputs) noexcept {
-  return guarded(layer_name_.c_str(), "supportsFormatCombination", false, [&] {
+  return guard("supportsFormatCombination", false, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(in_out != nullptr && pos >= 0 && pos < nb_inputs + nb_outputs, "pos", "position ", pos,
                       " outside the ", nb_inputs + nb_outputs, " tensors");
@@ -256,7 +222,7 @@ bool RouteExpertsPlugin::supportsFormatCombination(int32_t pos, const DynamicPlu
 
 size_t RouteExpertsPlugin::getWorkspaceSize(const DynamicPluginTensorDesc* inputs, int32_t nb_inputs,
                                             const DynamicPluginTensorDesc*, int32_t nb_outputs) const noexcept {
-  return guarded(layer_name_.c_str(), "getWorkspaceSize", size_t{0}, [&] {
+  return guard("getWorkspaceSize", size_t{0}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(inputs != nullptr, "inputs", "no tensor descriptions given");
     const nvinfer1::Dims& max = inputs[fields_.input_index(RouteExpertsInput::kRouterLogits)].max;  // [T, N]
@@ -267,7 +233,7 @@ size_t RouteExpertsPlugin::getWorkspaceSize(const DynamicPluginTensorDesc* input
 
 int32_t RouteExpertsPlugin::onShapeChange(const PluginTensorDesc* in, int32_t nb_inputs, const PluginTensorDesc* out,
                                           int32_t nb_outputs) noexcept {
-  return guarded(layer_name_.c_str(), "onShapeChange", int32_t{-1}, [&] {
+  return guard("onShapeChange", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(in != nullptr && out != nullptr, "inputs", "no tensor descriptions given");
     return int32_t{0};  // nothing to precompute: enqueue reads the shapes it gets
@@ -277,7 +243,7 @@ int32_t RouteExpertsPlugin::onShapeChange(const PluginTensorDesc* in, int32_t nb
 int32_t RouteExpertsPlugin::enqueue(const PluginTensorDesc* input_desc, const PluginTensorDesc* output_desc,
                                     const void* const* inputs, void* const* outputs, void* workspace,
                                     cudaStream_t stream) noexcept {
-  return guarded(layer_name_.c_str(), "enqueue", int32_t{-1}, [&] {
+  return guard("enqueue", int32_t{-1}, [&] {
     MOESPEC_CHECK_ARG(input_desc != nullptr && output_desc != nullptr && inputs != nullptr && outputs != nullptr,
                       "inputs", "no tensors given");
     const RouteExpertsArgs args = make_args(fields_, input_desc, inputs, output_desc, outputs, current_device());
@@ -286,27 +252,6 @@ int32_t RouteExpertsPlugin::enqueue(const PluginTensorDesc* input_desc, const Pl
     cuda::route_experts(args, workspace, cuda::route_experts_workspace_size(T, N, fields_.top_k),
                         static_cast<void*>(stream));
     return int32_t{0};
-  });
-}
-
-nvinfer1::IPluginV3* RouteExpertsPlugin::attachToContext(nvinfer1::IPluginResourceContext*) noexcept {
-  return clone();  // no per-context resources
-}
-
-const PluginFieldCollection* RouteExpertsPlugin::getFieldsToSerialize() noexcept {
-  return guarded(layer_name_.c_str(), "getFieldsToSerialize", static_cast<const PluginFieldCollection*>(nullptr), [&] {
-    return serialized_.serialize(fields_);
-  });
-}
-
-// ---- RouteExpertsPluginCreator ------------------------------------------------------------------
-
-RouteExpertsPluginCreator::RouteExpertsPluginCreator() : field_names_(names_.names<RouteExpertsFields>()) {}
-
-nvinfer1::IPluginV3* RouteExpertsPluginCreator::createPlugin(const char* name, const PluginFieldCollection* fc,
-                                                              nvinfer1::TensorRTPhase) noexcept {
-  return guarded(name, "createPlugin", static_cast<nvinfer1::IPluginV3*>(nullptr), [&]() -> nvinfer1::IPluginV3* {
-    return new RouteExpertsPlugin(RouteExpertsFields::from_collection(fc), namespace_, name != nullptr ? name : "");
   });
 }
 

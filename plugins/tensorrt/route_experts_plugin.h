@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moespec/route_experts.h"
@@ -85,9 +86,6 @@ struct RouteExpertsFields {
     v("softmax_vector_width", f.softmax_vector_width);
   }
 
-  // Reads the named fields of `fc` over the defaults and validates them; throws moespec::Error
-  // naming the field at fault (unknown name, wrong type or length, bad value).
-  static RouteExpertsFields from_collection(const nvinfer1::PluginFieldCollection* fc);
   // The checks that need no tensor shapes (those with N run in configurePlugin and the kernel).
   void validate() const;
 
@@ -100,27 +98,14 @@ struct RouteExpertsFields {
   bool operator==(const RouteExpertsFields& other) const;
 };
 
-class RouteExpertsPlugin final : public nvinfer1::IPluginV3,
-                                 public nvinfer1::IPluginV3OneCore,
-                                 public nvinfer1::IPluginV3OneBuild,
-                                 public nvinfer1::IPluginV3OneRuntime {
+class RouteExpertsPlugin final : public PluginBase<RouteExpertsPlugin, RouteExpertsFields> {
  public:
+  static constexpr const char* kName = kRouteExpertsPluginName;
+  static constexpr const char* kVersion = kRouteExpertsPluginVersion;
   // Throws moespec::Error if `fields` fail validate(). `layer_name` (createPlugin's name) only
   // labels error reports.
-  RouteExpertsPlugin(const RouteExpertsFields& fields, std::string plugin_namespace, std::string layer_name = "");
-  RouteExpertsPlugin(const RouteExpertsPlugin&) = delete;
-  RouteExpertsPlugin& operator=(const RouteExpertsPlugin&) = delete;
-
-  const RouteExpertsFields& fields() const { return fields_; }
-
-  // IPluginV3
-  nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
-  nvinfer1::IPluginV3* clone() noexcept override;
-
-  // IPluginV3OneCore
-  const char* getPluginName() const noexcept override { return kRouteExpertsPluginName; }
-  const char* getPluginVersion() const noexcept override { return kRouteExpertsPluginVersion; }
-  const char* getPluginNamespace() const noexcept override { return namespace_.c_str(); }
+  RouteExpertsPlugin(const RouteExpertsFields& fields, std::string plugin_namespace, std::string layer_name = "")
+      : PluginBase(fields, std::move(plugin_namespace), std::move(layer_name)) {}
 
   // IPluginV3OneBuild
   int32_t configurePlugin(const nvinfer1::DynamicPluginTensorDesc* in, int32_t nb_inputs,
@@ -142,39 +127,10 @@ class RouteExpertsPlugin final : public nvinfer1::IPluginV3,
   int32_t enqueue(const nvinfer1::PluginTensorDesc* input_desc, const nvinfer1::PluginTensorDesc* output_desc,
                   const void* const* inputs, void* const* outputs, void* workspace,
                   cudaStream_t stream) noexcept override;
-  nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
-  const nvinfer1::PluginFieldCollection* getFieldsToSerialize() noexcept override;
-
- private:
-  const RouteExpertsFields fields_;
-  const std::string namespace_;
-  const std::string layer_name_;
-  FieldCollection serialized_;  // points into fields_
 };
 
-class RouteExpertsPluginCreator final : public nvinfer1::IPluginCreatorV3One {
- public:
-  RouteExpertsPluginCreator();
-  RouteExpertsPluginCreator(const RouteExpertsPluginCreator&) = delete;
-  RouteExpertsPluginCreator& operator=(const RouteExpertsPluginCreator&) = delete;
-
-  // Returns nullptr, with the reason reported (plugin_log.h), when a field is unknown or invalid.
-  nvinfer1::IPluginV3* createPlugin(const char* name, const nvinfer1::PluginFieldCollection* fc,
-                                    nvinfer1::TensorRTPhase phase) noexcept override;
-  const nvinfer1::PluginFieldCollection* getFieldNames() noexcept override { return field_names_; }
-  const char* getPluginName() const noexcept override { return kRouteExpertsPluginName; }
-  const char* getPluginVersion() const noexcept override { return kRouteExpertsPluginVersion; }
-  const char* getPluginNamespace() const noexcept override { return namespace_.c_str(); }
-
-  // The namespace given to the plugins created from now on (kPluginNamespace by default); set it
-  // before registering the creator under that namespace.
-  void set_plugin_namespace(const std::string& plugin_namespace) { namespace_ = plugin_namespace; }
-
- private:
-  FieldCollection names_;
-  const nvinfer1::PluginFieldCollection* field_names_ = nullptr;
-  std::string namespace_ = kPluginNamespace;
-};
+// Its creator (createPlugin returns nullptr, with the reason reported, for an unknown or invalid field).
+using RouteExpertsPluginCreator = PluginCreator<RouteExpertsPlugin>;
 
 }  // namespace trt
 }  // namespace moespec
