@@ -185,6 +185,30 @@ void bind_draft_tree(py::module_& m) {
       py::arg("parents"), py::arg("depth"), py::arg("scores"), py::arg("num_candidates"), py::arg("predicted"),
       py::arg("predicted_p"), py::arg("buffer"), py::arg("expert_s"), py::arg("state"), py::arg("selected"),
       py::arg("count"), py::arg("token_s"), py::arg("total_tokens"), py::arg("stream"));
+  m.def(
+      "tree_from_selection_cuda",
+      [](const py::object& selected, const py::object& count, const py::object& cand_parents,
+         const py::object& cand_tokens, const py::object& root_tokens, const py::object& tokens,
+         const py::object& parents, const py::object& depth, const py::object& mask, const py::object& num_nodes,
+         uintptr_t stream) {
+        TreeFromSelectionArgs a;
+        a.selected = to_view(selected, "selected");
+        a.count = to_view(count, "count");
+        a.cand_parents = to_view(cand_parents, "cand_parents");
+        a.cand_tokens = to_view(cand_tokens, "cand_tokens");
+        a.root_tokens = to_view(root_tokens, "root_tokens");
+        a.tokens = to_view(tokens, "tokens");
+        a.parents = to_view(parents, "parents");
+        a.depth = to_view(depth, "depth");
+        a.mask = to_view(mask, "mask");
+        a.num_nodes = to_view(num_nodes, "num_nodes");
+        py::gil_scoped_release release;
+        cuda::tree_from_selection(a, reinterpret_cast<void*>(stream));
+      },
+      "The verify trees of a batch's selections on CUDA (select_cost_aware.h, TreeFromSelectionArgs).",
+      py::arg("selected"), py::arg("count"), py::arg("cand_parents"), py::arg("cand_tokens"), py::arg("root_tokens"),
+      py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("mask"), py::arg("num_nodes"),
+      py::arg("stream"));
   m.attr("kMaxDraftTopK") = kMaxDraftTopK;
   m.attr("kMaxDraftDepth") = kMaxDraftDepth;
   m.attr("kMaxDraftTreeTokens") = kMaxDraftTreeTokens;

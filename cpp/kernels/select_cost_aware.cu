@@ -21,6 +21,7 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr unsigned kFullWarp = 0xffffffffu;
 
 struct Best {
   double gain, cost, accept;
@@ -132,6 +133,61 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) state[0] = S, state[1] = A;
 }
 
+// One warp per request: lane 0 orders the chosen candidates and links parents and depths; the
+// lanes then write each mask row's words, row after row (a row copies its parent's).
+__global__ void tree_kernel(const int32_t* __restrict__ selected, const int32_t* __restrict__ count,
+                            const int32_t* __restrict__ cand_parents, const int32_t* __restrict__ cand_tokens,
+                            const int32_t* __restrict__ root_tokens, int32_t* __restrict__ tokens,
+                            int32_t* __restrict__ parents, int32_t* __restrict__ depth, int32_t* __restrict__ mask,
+                            int32_t* __restrict__ num_nodes, int C, int M1, int W) {
+  extern __shared__ int32_t node_of[];  // [C]: node of each candidate, -1 if not chosen
+  const int b = blockIdx.x, lane = threadIdx.x;
+  const int32_t* sel = selected + static_cast<int64_t>(b) * C;
+  const int32_t* cp = cand_parents + static_cast<int64_t>(b) * C;
+  int32_t* tok = tokens + static_cast<int64_t>(b) * M1;
+  int32_t* par = parents + static_cast<int64_t>(b) * M1;
+  int32_t* dep = depth + static_cast<int64_t>(b) * M1;
+  int32_t* msk = mask + static_cast<int64_t>(b) * M1 * W;
+  int n = count[b];
+  n = n < 0 ? 0 : (n > M1 - 1 ? M1 - 1 : n);
+  for (int c = lane; c < C; c += blockDim.x) node_of[c] = -1;
+  __syncwarp();
+  if (lane == 0) {
+    for (int i = 0; i < n; ++i) {
+      const int c = sel[i];
+      if (c >= 0 && c < C) node_of[c] = 0;  // chosen
+    }
+    int next = 1;  // nodes in candidate order after the root
+    for (int c = 0; c < C; ++c)
+      if (node_of[c] == 0) node_of[c] = next++;
+    n = next - 1;
+    tok[0] = root_tokens[b], par[0] = -1, dep[0] = 0;
+    for (int c = 0; c < C; ++c) {
+      const int i = node_of[c];
+      if (i <= 0) continue;
+      const int p = cp[c] >= 0 && cp[c] < C && node_of[cp[c]] > 0 ? node_of[cp[c]] : 0;
+      tok[i] = cand_tokens[static_cast<int64_t>(b) * C + c];
+      par[i] = p;
+      dep[i] = dep[p] + 1;  // p < i: parents precede children in candidate order
+    }
+    for (int i = n + 1; i < M1; ++i) tok[i] = 0, par[i] = -1, dep[i] = 0;
+    num_nodes[b] = n + 1;
+  }
+  __syncwarp();
+  const int rows = __shfl_sync(kFullWarp, n, 0) + 1;
+  for (int i = 0; i < M1; ++i) {
+    for (int w = lane; w < W; w += blockDim.x) {
+      int32_t word = 0;
+      if (i < rows) {
+        word = i ? msk[static_cast<int64_t>(par[i]) * W + w] : 0;
+        if (w == i / 32) word |= static_cast<int32_t>(1u << (i % 32));
+      }
+      msk[static_cast<int64_t>(i) * W + w] = word;
+    }
+    __syncwarp();
+  }
+}
+
 }  // namespace
 
 void select_cost_aware(const SelectCostAwareBatchArgs& a, void* stream) {
@@ -176,6 +232,43 @@ void select_cost_aware(const SelectCostAwareBatchArgs& a, void* stream) {
       a.token_s, a.total_tokens);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw_runtime("moespec::cuda::select_cost_aware: launch failed: ", cudaGetErrorString(err));
+}
+
+void tree_from_selection(const TreeFromSelectionArgs& a, void* stream) {
+  check_not_null(a.selected, "selected");
+  MOESPEC_CHECK_ARG(a.selected.ndim == 2, "selected", "expected [B, C], got ", a.selected.describe());
+  const int64_t B = a.selected.shape[0], C = a.selected.shape[1];
+  check_not_null(a.mask, "mask");
+  MOESPEC_CHECK_ARG(a.mask.ndim == 3, "mask", "expected [B, M + 1, W], got ", a.mask.describe());
+  const int64_t M1 = a.mask.shape[1], W = a.mask.shape[2];
+  MOESPEC_CHECK_ARG(M1 >= 1 && W == (M1 + 31) / 32, "mask", "expected W = ceil((M + 1) / 32) words per row, got ",
+                    a.mask.describe());
+  const int32_t dev = a.selected.device_index;
+  const auto cuda_view = [&](const TensorView& v, const char* name, std::initializer_list<int64_t> dims) {
+    check_view(v, name, {DType::kInt32}, dims);
+    check_contiguous(v, name);
+    check_device(v, name, Device::kCUDA, dev);
+  };
+  cuda_view(a.selected, "selected", {B, C});
+  cuda_view(a.count, "count", {B});
+  cuda_view(a.cand_parents, "cand_parents", {B, C});
+  cuda_view(a.cand_tokens, "cand_tokens", {B, C});
+  cuda_view(a.root_tokens, "root_tokens", {B});
+  cuda_view(a.tokens, "tokens", {B, M1});
+  cuda_view(a.parents, "parents", {B, M1});
+  cuda_view(a.depth, "depth", {B, M1});
+  cuda_view(a.mask, "mask", {B, M1, W});
+  cuda_view(a.num_nodes, "num_nodes", {B});
+  MOESPEC_CHECK_ARG(C <= (int64_t{1} << 14), "selected", "at most 16384 candidates per request, got ", C);
+  if (B == 0) return;
+  tree_kernel<<<static_cast<unsigned>(B), 32, sizeof(int32_t) * static_cast<std::size_t>(C),
+                static_cast<cudaStream_t>(stream)>>>(
+      a.selected.ptr<const int32_t>(), a.count.ptr<const int32_t>(), a.cand_parents.ptr<const int32_t>(),
+      a.cand_tokens.ptr<const int32_t>(), a.root_tokens.ptr<const int32_t>(), a.tokens.ptr<int32_t>(),
+      a.parents.ptr<int32_t>(), a.depth.ptr<int32_t>(), a.mask.ptr<int32_t>(), a.num_nodes.ptr<int32_t>(),
+      static_cast<int>(C), static_cast<int>(M1), static_cast<int>(W));
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw_runtime("moespec::cuda::tree_from_selection: launch failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace cuda

@@ -17,6 +17,10 @@ void route_experts(const RouteExpertsArgs&, void*, std::size_t, void*) {
 
 std::size_t moe_experts_workspace_size(int64_t, int64_t, int64_t, int64_t, int64_t, DType) { return 0; }
 
+void tree_from_selection(const TreeFromSelectionArgs&, void*) {
+  throw_runtime("moespec was built without CUDA: reconfigure with -DMOESPEC_CUDA=ON (needs nvcc) to run on GPUs");
+}
+
 void select_cost_aware(const SelectCostAwareBatchArgs&, void*) {
   throw_runtime("moespec was built without CUDA: reconfigure with -DMOESPEC_CUDA=ON (needs nvcc) to run on GPUs");
 }

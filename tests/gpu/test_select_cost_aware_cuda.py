@@ -68,3 +68,34 @@ def test_batch_on_cuda_equals_the_reference_request_by_request(seed):
     assert np.array_equal(gpu_buffer.cpu().numpy(), want_buffer)
     s, a = state.tolist()
     assert math.isclose(s, S, rel_tol=1e-12, abs_tol=1e-15) and math.isclose(a, A, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_trees_on_cuda_equal_tree_from_selection(seed):
+    """The GPU trees of the GPU selection equal moespec.spec.tree.tree_from_selection's, request by
+    request: tokens, parents, depths and packed masks (rows past the node count empty)."""
+    from moespec.spec.cost_aware import tree_from_selection_cuda
+    from moespec.spec.tree import Candidates, tree_from_selection
+
+    parents, depth, scores, num, predicted, predicted_p, buffer, costs, total, step_s, accepted = batch(seed)
+    B, C = parents.shape
+    rng = np.random.default_rng(seed + 1000)
+    tokens = rng.integers(0, 1000, (B, C)).astype(np.int32)
+    roots = rng.integers(0, 1000, B).astype(np.int32)
+    t = lambda x: None if x is None else torch.from_numpy(x).to(CUDA)  # noqa: E731
+    state = torch.tensor([step_s, accepted], dtype=torch.float64, device=CUDA)
+    selected, count = select_cost_aware_cuda(t(parents), t(depth), t(scores), t(num), t(predicted), t(predicted_p),
+                                             torch.from_numpy(buffer.copy()).to(CUDA), costs, total, state)
+    got = [x.cpu() for x in tree_from_selection_cuda(selected, count, t(parents), t(tokens), t(roots), total)]
+    for b in range(B):
+        n = int(num[b])
+        cands = Candidates(torch.from_numpy(tokens[b, :n].astype(np.int64)), torch.from_numpy(parents[b, :n]),
+                           torch.from_numpy(depth[b, :n]), torch.from_numpy(scores[b, :n]))
+        want = tree_from_selection(int(roots[b]), cands, selected[b, : int(count[b])].tolist())
+        m = want.num_nodes
+        assert int(got[4][b]) == m
+        assert got[0][b, :m].tolist() == want.tokens.tolist() and got[1][b, :m].tolist() == want.parents.tolist()
+        assert got[2][b, :m].tolist() == want.depth.tolist()
+        W = want.mask_words.shape[1]
+        assert torch.equal(got[3][b, :m, :W], want.mask_words) and int(got[3][b, m:].abs().sum()) == 0
+        assert bool((got[1][b, m:] == -1).all())

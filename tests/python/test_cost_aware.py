@@ -303,8 +303,9 @@ def test_predictor_scores_native_bf16_equal_fp32_within_rounding():
 
 
 def test_the_cuda_batch_selection_names_what_is_wrong_off_the_gpu():
-    """select_cost_aware_cuda takes CUDA tensors (its results are checked on a GPU by
-    tests/gpu/test_select_cost_aware_cuda.py); CPU tensors are refused by name, not crashed on."""
+    """select_cost_aware_cuda and tree_from_selection_cuda take CUDA tensors (their results are checked
+    on a GPU by tests/gpu/test_select_cost_aware_cuda.py); CPU tensors are refused by name, not
+    crashed on."""
     import torch
 
     from moespec.spec.cost_aware import select_cost_aware_cuda
@@ -314,3 +315,7 @@ def test_the_cuda_batch_selection_names_what_is_wrong_off_the_gpu():
         select_cost_aware_cuda(z, z + 1, torch.zeros(1, 2), torch.tensor([2], dtype=torch.int32),
                                torch.zeros(1, 2, 1, 1, dtype=torch.int32), None, torch.zeros(1, 4),
                                SelectionCosts(0.0, np.zeros(1)), 2, torch.tensor([1.0, 1.0], dtype=torch.float64))
+    from moespec.spec.cost_aware import tree_from_selection_cuda
+
+    with pytest.raises((ValueError, RuntimeError), match="selected|CUDA"):
+        tree_from_selection_cuda(z, torch.tensor([1], dtype=torch.int32), z - 1, z, torch.zeros(1, dtype=torch.int32), 2)

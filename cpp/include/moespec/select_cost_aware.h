@@ -88,3 +88,31 @@ void select_cost_aware(const SelectCostAwareBatchArgs& args, void* stream);
 }  // namespace cuda
 
 }  // namespace moespec
+
+namespace moespec {
+
+// The verify trees of a batch's selections on CUDA (the GPU twin of moespec.spec.tree.
+// tree_from_selection, without the root-to-leaf paths): request b's nodes are the root then its
+// chosen candidates in candidate order; node i's parent is the node of its candidate's parent (the
+// root for depth-1 candidates), its depth one more than its parent's, its mask row the parent's row
+// plus bit i (the DraftTree contract's ancestor-or-self mask). Rows past a request's node count are
+// parent -1, depth 0, mask 0, token 0. A candidate whose parent was not chosen (not ancestor-closed:
+// never from select_cost_aware) hangs from the root.
+struct TreeFromSelectionArgs {
+  TensorView selected;     // [B, C] int32: chosen candidates (any order), then -1 (select_cost_aware's output)
+  TensorView count;        // [B] int32
+  TensorView cand_parents;  // [B, C] int32: candidate index of each candidate's parent, -1 = the root
+  TensorView cand_tokens;  // [B, C] int32
+  TensorView root_tokens;  // [B] int32
+  TensorView tokens;       // out [B, M + 1] int32
+  TensorView parents;      // out [B, M + 1] int32
+  TensorView depth;        // out [B, M + 1] int32
+  TensorView mask;         // out [B, M + 1, W] int32, W = ceil((M + 1) / 32)
+  TensorView num_nodes;    // out [B] int32: count + 1
+};
+
+namespace cuda {
+void tree_from_selection(const TreeFromSelectionArgs& args, void* stream);
+}  // namespace cuda
+
+}  // namespace moespec

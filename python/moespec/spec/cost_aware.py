@@ -184,6 +184,34 @@ def select_cost_aware_cuda(parents, depth, scores, num_candidates, predicted, pr
     return selected, count
 
 
+def tree_from_selection_cuda(selected, count, cand_parents, cand_tokens, root_tokens, total_tokens: int):
+    """The verify trees of :func:`select_cost_aware_cuda`'s output on the GPU
+    (``moespec._native.tree_from_selection_cuda``): the nodes, parents, depths and packed
+    ancestor-or-self masks :func:`moespec.spec.tree.tree_from_selection` gives, for the whole batch,
+    with no host synchronisation. CUDA tensors: selected int32 [B, C], count int32 [B], cand_parents
+    and cand_tokens int32 [B, C], root_tokens int32 [B]. Returns tokens, parents, depth int32
+    [B, M + 1], mask int32 [B, M + 1, W] and num_nodes int32 [B] (M = total_tokens)."""
+    import torch
+
+    from moespec._loader import native, require_cuda
+    from moespec._tensor import view
+
+    require_cuda()
+    if selected.device.type != "cuda":
+        raise ValueError(f"tree_from_selection_cuda: selected must be a CUDA tensor, got one on {selected.device}")
+    B, M1 = selected.shape[0], int(total_tokens) + 1
+    W = (M1 + 31) // 32
+    kw = dict(dtype=torch.int32, device=selected.device)
+    tokens, parents, depth = (torch.empty(B, M1, **kw) for _ in range(3))
+    mask, num_nodes = torch.empty(B, M1, W, **kw), torch.empty(B, **kw)
+    native().tree_from_selection_cuda(
+        view(selected, "selected"), view(count, "count"), view(cand_parents, "cand_parents"),
+        view(cand_tokens, "cand_tokens"), view(root_tokens, "root_tokens"), view(tokens, "tokens"),
+        view(parents, "parents"), view(depth, "depth"), view(mask, "mask"), view(num_nodes, "num_nodes"),
+        torch.cuda.current_stream(selected.device).cuda_stream)
+    return tokens, parents, depth, mask, num_nodes
+
+
 class StepPricer:
     """The cost model's prices for the selection (:mod:`moespec.cost.step_cost` on a hardware
     profile): ``costs`` (token: the dense weights' extra time for one more verify token plus the
