@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "moespec/error.h"
 #include "moespec/select_cost_aware.h"
@@ -188,6 +189,13 @@ __global__ void tree_kernel(const int32_t* __restrict__ selected, const int32_t*
   }
 }
 
+// A contiguous tensor of `dtype` and these dims on CUDA device `dev`, or an Error naming it.
+void check_cuda(const TensorView& v, const char* name, DType dtype, std::initializer_list<int64_t> dims, int32_t dev) {
+  check_view(v, name, {dtype}, dims);
+  check_contiguous(v, name);
+  check_device(v, name, Device::kCUDA, dev);
+}
+
 }  // namespace
 
 void select_cost_aware(const SelectCostAwareBatchArgs& a, void* stream) {
@@ -201,22 +209,17 @@ void select_cost_aware(const SelectCostAwareBatchArgs& a, void* stream) {
   MOESPEC_CHECK_ARG(a.buffer.ndim == 2, "buffer", "expected [L, N], got ", a.buffer.describe());
   const int64_t N = a.buffer.shape[1];
   const int32_t dev = a.parents.device_index;
-  const auto cuda_view = [&](const TensorView& v, const char* name, DType dtype, std::initializer_list<int64_t> dims) {
-    check_view(v, name, {dtype}, dims);
-    check_contiguous(v, name);
-    check_device(v, name, Device::kCUDA, dev);
-  };
-  cuda_view(a.parents, "parents", DType::kInt32, {B, C});
-  cuda_view(a.depth, "depth", DType::kInt32, {B, C});
-  cuda_view(a.scores, "scores", DType::kFloat32, {B, C});
-  cuda_view(a.num_candidates, "num_candidates", DType::kInt32, {B});
-  cuda_view(a.predicted, "predicted", DType::kInt32, {B, C, L, K});
-  if (a.predicted_p.defined()) cuda_view(a.predicted_p, "predicted_p", DType::kFloat32, {B, C, L, K});
-  cuda_view(a.buffer, "buffer", DType::kFloat32, {L, N});
-  cuda_view(a.expert_s, "expert_s", DType::kFloat32, {L});
-  cuda_view(a.state, "state", DType::kFloat64, {2});
-  cuda_view(a.selected, "selected", DType::kInt32, {B, C});
-  cuda_view(a.count, "count", DType::kInt32, {B});
+  check_cuda(a.parents, "parents", DType::kInt32, {B, C}, dev);
+  check_cuda(a.depth, "depth", DType::kInt32, {B, C}, dev);
+  check_cuda(a.scores, "scores", DType::kFloat32, {B, C}, dev);
+  check_cuda(a.num_candidates, "num_candidates", DType::kInt32, {B}, dev);
+  check_cuda(a.predicted, "predicted", DType::kInt32, {B, C, L, K}, dev);
+  if (a.predicted_p.defined()) check_cuda(a.predicted_p, "predicted_p", DType::kFloat32, {B, C, L, K}, dev);
+  check_cuda(a.buffer, "buffer", DType::kFloat32, {L, N}, dev);
+  check_cuda(a.expert_s, "expert_s", DType::kFloat32, {L}, dev);
+  check_cuda(a.state, "state", DType::kFloat64, {2}, dev);
+  check_cuda(a.selected, "selected", DType::kInt32, {B, C}, dev);
+  check_cuda(a.count, "count", DType::kInt32, {B}, dev);
   MOESPEC_CHECK_ARG(a.total_tokens >= 1, "total_tokens", "must be >= 1, got ", a.total_tokens);
   MOESPEC_CHECK_ARG(a.token_s >= 0, "token_s", "must be >= 0, got ", a.token_s);
   MOESPEC_CHECK_ARG(C <= (int64_t{1} << 20) && L * K <= (int64_t{1} << 20), "predicted", "too many candidates or slots: ",
@@ -244,21 +247,17 @@ void tree_from_selection(const TreeFromSelectionArgs& a, void* stream) {
   MOESPEC_CHECK_ARG(M1 >= 1 && W == (M1 + 31) / 32, "mask", "expected W = ceil((M + 1) / 32) words per row, got ",
                     a.mask.describe());
   const int32_t dev = a.selected.device_index;
-  const auto cuda_view = [&](const TensorView& v, const char* name, std::initializer_list<int64_t> dims) {
-    check_view(v, name, {DType::kInt32}, dims);
-    check_contiguous(v, name);
-    check_device(v, name, Device::kCUDA, dev);
-  };
-  cuda_view(a.selected, "selected", {B, C});
-  cuda_view(a.count, "count", {B});
-  cuda_view(a.cand_parents, "cand_parents", {B, C});
-  cuda_view(a.cand_tokens, "cand_tokens", {B, C});
-  cuda_view(a.root_tokens, "root_tokens", {B});
-  cuda_view(a.tokens, "tokens", {B, M1});
-  cuda_view(a.parents, "parents", {B, M1});
-  cuda_view(a.depth, "depth", {B, M1});
-  cuda_view(a.mask, "mask", {B, M1, W});
-  cuda_view(a.num_nodes, "num_nodes", {B});
+  const DType i32 = DType::kInt32;
+  check_cuda(a.selected, "selected", i32, {B, C}, dev);
+  check_cuda(a.count, "count", i32, {B}, dev);
+  check_cuda(a.cand_parents, "cand_parents", i32, {B, C}, dev);
+  check_cuda(a.cand_tokens, "cand_tokens", i32, {B, C}, dev);
+  check_cuda(a.root_tokens, "root_tokens", i32, {B}, dev);
+  check_cuda(a.tokens, "tokens", i32, {B, M1}, dev);
+  check_cuda(a.parents, "parents", i32, {B, M1}, dev);
+  check_cuda(a.depth, "depth", i32, {B, M1}, dev);
+  check_cuda(a.mask, "mask", i32, {B, M1, W}, dev);
+  check_cuda(a.num_nodes, "num_nodes", i32, {B}, dev);
   MOESPEC_CHECK_ARG(C <= (int64_t{1} << 14), "selected", "at most 16384 candidates per request, got ", C);
   if (B == 0) return;
   tree_kernel<<<static_cast<unsigned>(B), 32, sizeof(int32_t) * static_cast<std::size_t>(C),
