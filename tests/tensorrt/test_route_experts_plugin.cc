@@ -20,26 +20,13 @@
 #include "plugin_log.h"
 #include "route_experts_plugin.h"
 
-using nvinfer1::DataType;
+using namespace plugin_test;  // NOLINT(build/namespaces): the shared test helpers and their nvinfer1 names
 using nvinfer1::DimsExprs;
-using nvinfer1::DynamicPluginTensorDesc;
-using nvinfer1::IDimensionExpr;
-using nvinfer1::IPluginV3;
-using nvinfer1::IPluginV3OneBuild;
-using nvinfer1::IPluginV3OneCore;
-using nvinfer1::IPluginV3OneRuntime;
-using nvinfer1::PluginCapabilityType;
-using nvinfer1::PluginField;
-using nvinfer1::PluginFieldCollection;
-using nvinfer1::PluginFieldType;
-using nvinfer1::TensorFormat;
 using nvinfer1::TensorRTPhase;
 using moespec::trt::RouteExpertsFields;
 using moespec::trt::RouteExpertsInput;
 using moespec::trt::RouteExpertsPlugin;
 using moespec::trt::RouteExpertsPluginCreator;
-
-using namespace plugin_test;  // NOLINT(build/namespaces): the shared test helpers
 
 namespace {
 
