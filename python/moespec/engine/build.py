@@ -3,7 +3,7 @@ folder (DESIGN.md "Contracts" -> "Engine folder"; layout and manifest in :mod:`m
 
     moespec build --model <HF folder | GGUF file | default> [--draft <EAGLE-3 folder>] --out <engine>
                   [--dtype bf16|fp32] [--policy ar|eagle3|eagle3+budget] [--depth D] [--top-k K]
-                  [--total-tokens M] [--budget B] [--force] [--quiet]
+                  [--total-tokens M] [--budget B] [--backend runtime|tensorrt] [--force] [--quiet]
 
 The weights go through the runtime's own loader (:func:`moespec.models.load` in the requested dtype),
 so an engine holds exactly the tensors a run from the source would use. Everything is written into a
@@ -43,6 +43,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
                    "chat_template.json")
 TOKENIZER_DIRS = ("additional_chat_templates",)
+BACKENDS = ("runtime", "tensorrt")  # what --backend builds: the runtime's folder, plus TensorRT networks
 
 # ``--model default``: a callable (scratch folder) -> a Hugging Face folder or GGUF file, or a pair
 # (model, EAGLE-3 folder or None). Set with :func:`set_default_model`.
@@ -71,10 +72,14 @@ class BuildResult:
 def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union[str, Path, None] = None,
                  dtype: Literal["bf16", "fp32"] = "bf16", speculation: Optional[dict[str, Any]] = None,
                  force: bool = False, progress: bool = True, command: Optional[Sequence[str]] = None,
-                 predictor: Union[str, Path, None] = None) -> BuildResult:
+                 predictor: Union[str, Path, None] = None, backend: Literal["runtime", "tensorrt"] = "runtime",
+                 tensorrt_profile: Optional[Any] = None) -> BuildResult:
     """Builds the engine folder ``out`` from ``model`` (a Hugging Face folder, a GGUF file or
     ``"default"``), an optional EAGLE-3 head folder ``draft`` and an optional expert predictor
     folder ``predictor`` (``moespec analyze predictor --out``; checked against the target).
+    ``backend="tensorrt"`` adds the TensorRT networks (ONNX with moespec's plugin nodes, and their
+    plans where TensorRT is installed; :mod:`moespec.engine.tensorrt`), shaped by
+    ``tensorrt_profile`` (a :class:`moespec.engine.tensorrt.Profile`).
 
     ``speculation`` holds SpeculativeConfig keyword arguments (policy, depth, top_k, total_tokens,
     budget: an int or ExpertBudget) for the engine's default policy; the policy defaults to
@@ -84,6 +89,8 @@ def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union
     start = time.perf_counter()
     if dtype not in DTYPES:
         raise ValueError(f"build: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"build: backend must be one of {list(BACKENDS)}, got {backend!r}")
     out = Path(out).absolute()
     for p in (model, draft):
         if p is not None and str(p) != "default" and (Path(p).resolve() == out.resolve()
@@ -121,6 +128,13 @@ def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union
                                 progress=progress)
         header = read_header(tmp / WEIGHTS)
         tokenizer_entry = _copy_tokenizer(source, tmp / TOKENIZER, source_info)
+        tensorrt_entry = None
+        if backend == "tensorrt":
+            from moespec.engine.tensorrt import Profile, write_tensorrt
+
+            taps = draft_entry["aux_layers"] if draft_entry is not None else ()
+            tensorrt_entry = write_tensorrt(tmp, target, spec, taps=taps, profile=tensorrt_profile or Profile(),
+                                            log=lambda msg: print(msg, file=sys.stderr))
         for scratch in (".source", ".default"):  # a GGUF's dequantized copy, the default model's scratch
             shutil.rmtree(tmp / scratch, ignore_errors=True)
         manifest = {
@@ -142,6 +156,8 @@ def build_engine(model: Union[str, Path], out: Union[str, Path], *, draft: Union
             "predictor": predictor_entry,
             "tokenizer": tokenizer_entry,
             "speculation": spec,
+            "backend": backend,
+            "tensorrt": tensorrt_entry,
             "provenance": _provenance(source_info, draft_path, command, start, predictor),
         }
         del tensors, target
@@ -483,6 +499,11 @@ def format_summary(result: BuildResult) -> str:
                  f"tokens{budget})")
     tok = m["tokenizer"]
     lines.append(f"tokenizer     {', '.join(tok['files'])}" if tok else "tokenizer     none (token-id prompts only)")
+    trt = m.get("tensorrt")
+    if trt:
+        nets = ", ".join(f"{entry['file']} (budget {entry['budget']['max_experts'] if entry['budget'] else 'off'})"
+                         for entry in trt["networks"].values())
+        lines.append(f"tensorrt      {nets}; plan {trt['plan_status']}; commands in {trt['folder']}/trtexec.sh")
     prov = m["provenance"]
     commit = (prov["git_commit"] or "unknown")[:12] + (" (dirty)" if prov["git_dirty"] else "")
     lines.append(f"built         moespec {prov['moespec_version']} at {commit}, {prov['created']}")
@@ -517,14 +538,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="draft tree branching")
     p.add_argument("--total-tokens", type=int, default=defaults.total_tokens, help="draft tree nodes besides the root")
     p.add_argument("--budget", type=int, help="max unique experts per MoE layer on verify passes (eagle3+budget)")
+    p.add_argument("--backend", choices=BACKENDS, default="runtime",
+                   help="runtime: the engine folder moespec's runtime loads; tensorrt: that folder plus the verify "
+                        "network as ONNX with moespec's plugin nodes, its trtexec command lines, and its plan where "
+                        "the tensorrt package is importable")
+    p.add_argument("--trt-max-batch", type=int, default=8, help="tensorrt: largest batch of the profiles")
+    p.add_argument("--trt-max-tokens", type=int, default=128, help="tensorrt: most new tokens per request and call")
+    p.add_argument("--trt-max-seq-len", type=int, default=4096, help="tensorrt: most slots (past + new) per request")
     p.add_argument("--force", action="store_true", help="replace --out if it is an engine folder")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     speculation = {"policy": args.policy, "depth": args.depth, "top_k": args.top_k, "total_tokens": args.total_tokens,
                    "budget": args.budget}
     try:
+        profile = None
+        if args.backend == "tensorrt":
+            from moespec.engine.tensorrt import Profile
+
+            profile = Profile(max_batch=args.trt_max_batch, max_tokens=args.trt_max_tokens,
+                              max_seq_len=args.trt_max_seq_len, opt_tokens=args.total_tokens + 1)
         result = build_engine(args.model, args.out, draft=args.draft, predictor=args.predictor, dtype=args.dtype,
-                              speculation=speculation,
+                              speculation=speculation, backend=args.backend, tensorrt_profile=profile,
                               force=args.force, progress=not args.quiet, command=["moespec", "build", *argv])
     except ValueError as exc:
         print(f"moespec build: error: {exc}", file=sys.stderr)

@@ -9,6 +9,8 @@ file is :mod:`moespec.engine.tensors`. Layout::
     <engine>/draft/               optional EAGLE-3 head: config.json + model.safetensors, official names
     <engine>/predictor/           optional expert predictor (cost-aware trees): predictor.json + .safetensors
     <engine>/tokenizer/           optional: the source's tokenizer files
+    <engine>/tensorrt/            optional (--backend tensorrt): verify.onnx [+ prefill.onnx], weights.onnx.data,
+                                  trtexec.sh, the plans where TensorRT exists (moespec.engine.tensorrt)
 
 Manifest (``format_version`` 1)::
 
@@ -24,6 +26,9 @@ Manifest (``format_version`` 1)::
     predictor                (optional) null | {folder, layers, experts, files: {name: {bytes, sha256}}}
     tokenizer                null | {folder, files: {name: {bytes, sha256}}}
     speculation              {policy, depth, top_k, total_tokens, budget: null | {max_experts, policy, coverage}}
+    backend                  (optional) "runtime" | "tensorrt"
+    tensorrt                 (optional) null | {folder, networks: {verify, prefill?: {file, bytes, sha256, budget,
+                             checker, trtexec, plan}}, weights_file, plugins, profile, plan_status, taps}
     provenance               {source: {kind, path, files, ...}, draft_source, predictor_source, moespec_version, git_commit,
                              git_dirty, created, command, versions, seeds, build_seconds}
 """
