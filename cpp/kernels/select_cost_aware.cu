@@ -11,6 +11,7 @@
 // synchronisation, no allocation: capturable in a CUDA graph.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 
@@ -45,21 +46,23 @@ __device__ bool repeat(const int32_t* e, int k) {
   return false;
 }
 
+template <typename State>
 __global__ void __launch_bounds__(kThreads)
     select_kernel(const int32_t* __restrict__ parents, const int32_t* __restrict__ depth,
                   const float* __restrict__ scores, const int32_t* __restrict__ num_candidates,
                   const int32_t* __restrict__ predicted, const float* __restrict__ prob, float* __restrict__ buffer,
-                  const float* __restrict__ expert_s, double* __restrict__ state, int32_t* __restrict__ selected,
-                  int32_t* __restrict__ count, int B, int C, int L, int K, int N, float token_s, int total_tokens) {
+                  const float* __restrict__ expert_s, State* __restrict__ state, int32_t* __restrict__ selected,
+                  int32_t* __restrict__ count, int B, int C, int L, int K, int N, float token_s, float cost_scale,
+                  int total_tokens) {
   extern __shared__ unsigned char chosen[];  // [C]
   __shared__ Best best[kThreads];
   __shared__ double S, A;
   __shared__ int32_t picked;
   __shared__ bool any_cost;  // with all costs 0 the rule is EAGLE-2's: no stop at gain <= 0
   if (threadIdx.x == 0) {
-    S = state[0], A = state[1];
+    S = static_cast<double>(state[0]), A = static_cast<double>(state[1]);
     any_cost = token_s > 0;
-    for (int l = 0; l < L; ++l) any_cost = any_cost || expert_s[l] > 0;
+    for (int l = 0; l < L; ++l) any_cost = any_cost || __fmul_rn(cost_scale, expert_s[l]) > 0;
   }
   __syncthreads();
   for (int b = 0; b < B; ++b) {
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(kThreads)
             const double unread = __dsub_rn(1.0, static_cast<double>(buffer[static_cast<int64_t>(l) * N + e[k]]));
             fresh = __dadd_rn(fresh, __dmul_rn(p, unread));
           }
-          cost = __dadd_rn(cost, __dmul_rn(static_cast<double>(expert_s[l]), fresh));
+          cost = __dadd_rn(cost, __dmul_rn(static_cast<double>(__fmul_rn(cost_scale, expert_s[l])), fresh));
         }
         const double accept = isfinite(sc[c]) ? exp(static_cast<double>(sc[c])) : 0.0;
         const Best cand{__dsub_rn(__dmul_rn(rate, accept), cost), cost, accept, sc[c], dep[c], c};
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) count[b] = n;
     __syncthreads();
   }
-  if (threadIdx.x == 0) state[0] = S, state[1] = A;
+  if (threadIdx.x == 0) state[0] = static_cast<State>(S), state[1] = static_cast<State>(A);
 }
 
 // One warp per request: lane 0 orders the chosen candidates and links parents and depths; the
@@ -217,22 +220,33 @@ void select_cost_aware(const SelectCostAwareBatchArgs& a, void* stream) {
   if (a.predicted_p.defined()) check_cuda(a.predicted_p, "predicted_p", DType::kFloat32, {B, C, L, K}, dev);
   check_cuda(a.buffer, "buffer", DType::kFloat32, {L, N}, dev);
   check_cuda(a.expert_s, "expert_s", DType::kFloat32, {L}, dev);
-  check_cuda(a.state, "state", DType::kFloat64, {2}, dev);
+  const bool state_f32 = a.state.dtype == DType::kFloat32;
+  check_cuda(a.state, "state", state_f32 ? DType::kFloat32 : DType::kFloat64, {2}, dev);
   check_cuda(a.selected, "selected", DType::kInt32, {B, C}, dev);
   check_cuda(a.count, "count", DType::kInt32, {B}, dev);
   MOESPEC_CHECK_ARG(a.total_tokens >= 1, "total_tokens", "must be >= 1, got ", a.total_tokens);
   MOESPEC_CHECK_ARG(a.token_s >= 0, "token_s", "must be >= 0, got ", a.token_s);
+  MOESPEC_CHECK_ARG(a.cost_scale >= 0 && std::isfinite(a.cost_scale), "cost_scale", "must be finite and >= 0, got ",
+                    a.cost_scale);
   MOESPEC_CHECK_ARG(C <= (int64_t{1} << 20) && L * K <= (int64_t{1} << 20), "predicted", "too many candidates or slots: ",
                     a.predicted.describe());
   if (B == 0) return;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  select_kernel<<<1, kThreads, static_cast<std::size_t>(C), s>>>(
-      a.parents.ptr<const int32_t>(), a.depth.ptr<const int32_t>(), a.scores.ptr<const float>(),
-      a.num_candidates.ptr<const int32_t>(), a.predicted.ptr<const int32_t>(),
-      a.predicted_p.defined() ? a.predicted_p.ptr<const float>() : nullptr, a.buffer.ptr<float>(),
-      a.expert_s.ptr<const float>(), a.state.ptr<double>(), a.selected.ptr<int32_t>(), a.count.ptr<int32_t>(),
-      static_cast<int>(B), static_cast<int>(C), static_cast<int>(L), static_cast<int>(K), static_cast<int>(N),
-      a.token_s, a.total_tokens);
+  const float token_s = a.token_s * a.cost_scale;
+  auto launch = [&](auto* state) {
+    select_kernel<<<1, kThreads, static_cast<std::size_t>(C), s>>>(
+        a.parents.ptr<const int32_t>(), a.depth.ptr<const int32_t>(), a.scores.ptr<const float>(),
+        a.num_candidates.ptr<const int32_t>(), a.predicted.ptr<const int32_t>(),
+        a.predicted_p.defined() ? a.predicted_p.ptr<const float>() : nullptr, a.buffer.ptr<float>(),
+        a.expert_s.ptr<const float>(), state, a.selected.ptr<int32_t>(), a.count.ptr<int32_t>(),
+        static_cast<int>(B), static_cast<int>(C), static_cast<int>(L), static_cast<int>(K), static_cast<int>(N),
+        token_s, a.cost_scale, a.total_tokens);
+  };
+  if (state_f32) {
+    launch(a.state.ptr<float>());
+  } else {
+    launch(a.state.ptr<double>());
+  }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw_runtime("moespec::cuda::select_cost_aware: launch failed: ", cudaGetErrorString(err));
 }

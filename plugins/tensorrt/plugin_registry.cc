@@ -18,6 +18,7 @@
 #include "moe_experts_plugin.h"
 #include "plugin_log.h"
 #include "route_experts_plugin.h"
+#include "tree_select_plugin.h"
 
 // The library is built with hidden visibility; these entry points are its only exports.
 // (TensorRT's own TENSORRTAPI exports only while building TensorRT itself.)
@@ -39,14 +40,20 @@ moespec::trt::MoeExpertsPluginCreator& moe_experts_creator() {
   return creator;
 }
 
+moespec::trt::TreeSelectPluginCreator& tree_select_creator() {
+  static moespec::trt::TreeSelectPluginCreator creator;
+  return creator;
+}
+
 }  // namespace
 
-// The plugin creators of this library (MoespecRouteExperts and MoespecBudgetedMoe, version "1",
-// namespace "moespec").
+// The plugin creators of this library (MoespecRouteExperts, MoespecBudgetedMoe and MoespecTreeSelect,
+// version "1", namespace "moespec").
 extern "C" MOESPEC_TRT_EXPORT nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
   nbCreators = 0;
   try {
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&route_experts_creator(), &moe_experts_creator()};
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&route_experts_creator(), &moe_experts_creator(),
+                                                                  &tree_select_creator()};
     nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
   } catch (const std::exception& e) {
@@ -88,7 +95,9 @@ extern "C" MOESPEC_TRT_EXPORT bool initMoespecPlugins(void* logger, const char* 
     }
     route_experts_creator().set_plugin_namespace(ns);
     moe_experts_creator().set_plugin_namespace(ns);
-    nvinfer1::IPluginCreatorV3One* const creators[] = {&route_experts_creator(), &moe_experts_creator()};
+    tree_select_creator().set_plugin_namespace(ns);
+    nvinfer1::IPluginCreatorV3One* const creators[] = {&route_experts_creator(), &moe_experts_creator(),
+                                                       &tree_select_creator()};
     for (nvinfer1::IPluginCreatorV3One* creator : creators) {
       if (!registry->registerCreator(*creator, ns.c_str())) {
         moespec::trt::report_error("initMoespecPlugins", ("the plugin registry refused creator " +

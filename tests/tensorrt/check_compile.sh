@@ -32,8 +32,8 @@ cmake --fresh -S "${repo}" -B "${build}" "${generator[@]}" \
   -DMOESPEC_TENSORRT=ON -DTensorRT_ROOT="${trt_root}" \
   -DMOESPEC_PYTHON=OFF -DMOESPEC_BUILD_TESTS=ON
 
-echo "== build moespec_trt_plugins test_route_experts_plugin test_moe_experts_plugin"
-cmake --build "${build}" --target moespec_trt_plugins test_route_experts_plugin test_moe_experts_plugin -j "${jobs}"
+echo "== build moespec_trt_plugins test_route_experts_plugin test_moe_experts_plugin test_tree_select_plugin"
+cmake --build "${build}" --target moespec_trt_plugins test_route_experts_plugin test_moe_experts_plugin test_tree_select_plugin -j "${jobs}"
 
 echo "== exported entry points"
 lib="$(find "${build}" -name 'libmoespec_trt_plugins.so' -print -quit)"

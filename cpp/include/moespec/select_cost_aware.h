@@ -75,10 +75,11 @@ struct SelectCostAwareBatchArgs {
   TensorView predicted_p;     // [B, C, L, K] float32, or undefined: all 1
   TensorView buffer;          // in/out [L, N] float32
   TensorView expert_s;        // [L] float32
-  TensorView state;           // in/out [2] float64: S, A (A > 0)
+  TensorView state;           // in/out [2] float64 (or float32, TensorRT's widest): S, A (A > 0)
   TensorView selected;        // out [B, C] int32: request b's choice in order, then -1
   TensorView count;           // out [B] int32
   float token_s = 0.0f;
+  float cost_scale = 1.0f;  // >= 0: multiplies token_s and expert_s; 0 = EAGLE-2's selection
   int32_t total_tokens = 1;
 };
 
