@@ -11,7 +11,11 @@
 # Needs: nvcc, and a python3 with torch (CUDA build), pybind11, cmake, ninja, pytest, hypothesis,
 # numpy; installs nothing (such machines may have no network). Builds into build-gpu/ (the module
 # lands in python/moespec, -DMOESPEC_INPLACE=ON). Environment: CUDA_ARCHS (default 90a, for the
-# H100/H200), JOBS (default: all cores). Logs go to $OUT when set, else to build-gpu/logs.
+# H100/H200), JOBS (default: all cores), TensorRT_ROOT (a folder with include/NvInfer.h: the
+# TensorRT plugins are built too, and ctest runs their enqueue on the GPU, test_plugins_enqueue;
+# the device machine has no TensorRT, so a device call copies the public headers into an ignored
+# folder of the checkout, carries it and points TensorRT_ROOT there). Logs go to $OUT when set,
+# else to build-gpu/logs.
 # Takes about 2-4 minutes on an H200 (mostly the build).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -23,9 +27,13 @@ PY=$(command -v python3)
 log() { printf '\033[1m[tests/gpu/run.sh]\033[0m %s\n' "$*"; }
 status=0  # a failing test step still lets the later steps run; the script then exits non-zero
 
-log "configure ($BUILD, CUDA architectures ${CUDA_ARCHS:-90a}) -> $LOGS/configure.log"
+trt=()
+if [[ -n "${TensorRT_ROOT:-}" ]]; then
+  trt=(-DMOESPEC_TENSORRT=ON -DTensorRT_ROOT="$TensorRT_ROOT")
+fi
+log "configure ($BUILD, CUDA architectures ${CUDA_ARCHS:-90a}${trt:+, TensorRT plugins}) -> $LOGS/configure.log"
 cmake -S . -B "$BUILD" -G Ninja -DPython_EXECUTABLE="$PY" -DMOESPEC_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DMOESPEC_INPLACE=ON -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DMOESPEC_INPLACE=ON -DCMAKE_BUILD_TYPE=Release "${trt[@]}" \
   2>&1 | tee "$LOGS/configure.log"
 
 log "build -> $LOGS/build.log"
