@@ -5,8 +5,8 @@ chain (a verify pass), budget off and B in {16, 32, 64}: step time (median of CU
 calls) against the unique experts a layer actually read, and against the roofline (dense bytes +
 unique-expert bytes) / the device copy bandwidth of the same run. Also the routing + budget op's
 share of a layer at T = 16. Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
-runtime"): within 15% of the roofline at T <= 16 (with CUDA graphs; this first runtime step runs
-eagerly, so the table also shows what the graphs must win back).
+runtime"): within 15% of the roofline at T <= 16, with CUDA graphs (the "graphs" backend,
+moespec.runtime.graphs); each row times the eager reference backend and the graphs backend.
 """
 
 from __future__ import annotations
@@ -80,18 +80,21 @@ def main() -> int:
                 cache.pending = None  # forget the tree (nothing committed)
                 stats["kept"] = out.expert_stats[:, 1].float().mean()
 
+            m.backend_name = "reference"
             t = event_seconds(step)
             kept = float(stats["kept"])
+            m.backend_name = "graphs"
+            t_graph = event_seconds(step)
             roof = (dense + LAYERS * kept * expert_bytes) / (copy * 1e9)
-            rows.append({"T": T, "budget": B, "ms": t * 1e3, "unique": kept, "roofline_ms": roof * 1e3,
-                         "x_roofline": t / roof})
-            print(f"T={T:3d} budget={str(B):>4s}: {t * 1e3:7.3f} ms, {kept:6.1f} experts/layer, roofline "
-                  f"{roof * 1e3:6.3f} ms ({t / roof:5.2f}x)")
+            rows.append({"T": T, "budget": B, "ms": t * 1e3, "graphs_ms": t_graph * 1e3, "unique": kept,
+                         "roofline_ms": roof * 1e3, "x_roofline": t / roof, "graphs_x_roofline": t_graph / roof})
+            print(f"T={T:3d} budget={str(B):>4s}: eager {t * 1e3:7.3f} ms, graphs {t_graph * 1e3:7.3f} ms, "
+                  f"{kept:6.1f} experts/layer, roofline {roof * 1e3:6.3f} ms (graphs {t_graph / roof:5.2f}x)")
     x = torch.randn(16, H, device=CUDA).to(torch.bfloat16)
     router = m.weights.layers[0].router
     spec = RouterSpec("softmax", K, True)
     t_route = event_seconds(lambda: route_experts(torch.nn.functional.linear(x, router), spec, ExpertBudget(32)))
-    layer_ms = next(r["ms"] for r in rows if r["T"] == 16 and r["budget"] == 32) / LAYERS
+    layer_ms = next(r["graphs_ms"] for r in rows if r["T"] == 16 and r["budget"] == 32) / LAYERS
     print(f"routing + budget (T=16, B=32): {t_route * 1e6:.1f} us = {100 * t_route * 1e3 / layer_ms:.1f}% of a "
           f"verify layer ({layer_ms:.3f} ms)")
     out = os.environ.get("OUT")

@@ -92,3 +92,39 @@ def test_greedy_speculation_on_cuda_equals_greedy_ar(folder, tmp_path):
         config = SpeculativeConfig(policy, depth=3, top_k=3, total_tokens=6, **extra)
         llm = LLM(target, draft=head, speculative_config=config, predictor=predictor, max_batch_size=2)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want, policy
+
+
+def test_graph_replay_equals_eager(folder):
+    """The "graphs" backend on CUDA: decode and budgeted tree-verify steps captured once per bucket,
+    then replayed with new inputs, give the eager reference backend's logits and expert stats; greedy
+    eagle3 through graphs equals greedy ar."""
+    from moespec import SpeculativeConfig
+    from moespec.spec.train import new_head
+
+    eager = mm.load(folder, "fp32", device="cuda")
+    graphs = mm.load(folder, "fp32", device="cuda")
+    graphs.backend_name = "graphs"
+    caches = [m.new_cache(2, 48) for m in (eager, graphs)]
+    for m, c in zip((eager, graphs), caches):
+        m.prefill(c, [p[:5] for p in PROMPTS])
+    tokens = [7, 11]
+    for step in range(6):
+        d = [m.decode(c, tokens) for m, c in zip((eager, graphs), caches)]
+        _close(d[1].logits, d[0].logits, 1e-4, f"decode {step}")
+        assert torch.equal(d[1].expert_stats, d[0].expert_stats)
+        tokens = [int(t) for t in d[0].logits.argmax(-1)]
+    budget = ExpertBudget(4)
+    for step in range(3):
+        trees = [[tokens[0], 3 + step, 4, 5], [tokens[1], 6, 7 + step, 8]]
+        v = [m.verify(c, trees, [[-1, 0, 0, 1], [-1, 0, 1, 1]], budget=budget) for m, c in zip((eager, graphs), caches)]
+        _close(v[1].logits, v[0].logits, 1e-4, f"verify {step}")
+        assert torch.equal(v[1].expert_stats, v[0].expert_stats)
+        for m, c in zip((eager, graphs), caches):
+            m.commit(c, [[0, 1], [0]])
+    assert all(s.graph is not None for s in graphs.backend.steps.values()) and len(graphs.backend.steps) == 2
+    head = new_head(graphs.config, graphs.weights.embed, None, seed=0).to("cuda")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(eager).generate(PROMPTS, params)]
+    llm = LLM(graphs, draft=head, speculative_config=SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6),
+              max_batch_size=2)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want

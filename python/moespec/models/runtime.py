@@ -52,7 +52,7 @@ class TargetModel:
         How MoE layers run their experts (:mod:`moespec.models.moe`); default: the environment
         variable MOESPEC_MOE_IMPL, else "kernel". Also settable later as ``model.moe_impl``
         ("reference" also selects the reference backend).
-    backend : {"native", "reference"}, optional
+    backend : {"native", "reference", "graphs"}, optional
         How calls run (:mod:`moespec.runtime.backend`): the native decoder step (default where it
         runs: CPU, float32 or bfloat16) or the torch reference forward; default: the environment
         variable MOESPEC_BACKEND, else "native". Settable later as ``model.backend_name``.

@@ -12,6 +12,8 @@ environment variable MOESPEC_BACKEND; DESIGN.md "The next phase": one backend ch
 - ``"reference"``: the forward written in torch ops (:class:`ReferenceBackend`), the numerical
   reference the native step is tested against; with ``moe_impl="reference"`` its bf16 prefill is
   bit-identical to transformers.
+- ``"graphs"``: the reference forward on static buffers per shape bucket, replayed as CUDA graphs
+  on a GPU (:mod:`moespec.runtime.graphs`; on the CPU the same steps run eagerly).
 
 A backend's ``forward(cache, seqs, parents, budget, last_only, geo=None)`` runs new tokens ``seqs[b]``
 of request b at slots ``cache.lengths[b] + j`` (a tree when ``parents`` is given; ``geo``: their packed
@@ -42,7 +44,7 @@ from moespec.runtime.state import RopeTable, StepGeometry, step_geometry
 if TYPE_CHECKING:
     from moespec.models.runtime import TargetModel
 
-BACKENDS = ("native", "reference")
+BACKENDS = ("native", "reference", "graphs")
 NATIVE_MAX_TOKENS = native().kMaxDecoderStepTokens  # packed tokens per native call; larger calls: reference
 
 
@@ -75,13 +77,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def make_backend(model: "TargetModel", name: Optional[str] = None):
-    """The backend ``name`` ("native", "reference"; default MOESPEC_BACKEND, else "native") for
-    ``model``; "native" falls back to the reference where it cannot run (a dtype other than float32
-    and bfloat16, weights off the CPU, ``moe_impl="reference"``)."""
+    """The backend ``name`` ("native", "reference", "graphs"; default MOESPEC_BACKEND, else "native")
+    for ``model``; "native" falls back to the reference where it cannot run (a dtype other than
+    float32 and bfloat16, weights off the CPU, ``moe_impl="reference"``)."""
     name = name or os.environ.get("MOESPEC_BACKEND") or "native"
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
     reference = ReferenceBackend(model)
+    if name == "graphs":
+        from moespec.runtime.graphs import GraphBackend
+
+        return GraphBackend(model, reference)
     if name == "reference" or not NativeBackend.supports(model):
         return reference
     return NativeBackend(model, reference)

@@ -1,0 +1,128 @@
+"""The ``"graphs"`` backend: decode and verify steps replayed as CUDA graphs, per shape bucket.
+
+A step's shape is a bucket ``(batch B, new tokens T per request, sequence or tree, budget)``: every
+request of the call brings exactly T tokens (decode: T = 1; an eagle3 tree of ``total_tokens``
+nodes: T = total_tokens + 1). The first call of a bucket allocates its static inputs once (tokens
+and positions [B, T], the attention mask [B, T, S_max] over the whole cache, the cache slots
+[B T]), runs the reference forward on them eagerly (that call's result) and, on CUDA, captures the
+same forward into a ``torch.cuda.CUDAGraph`` (one memory pool for all buckets); later calls of the
+bucket copy their inputs into the static buffers and replay: one launch, no per-op dispatch, no
+host synchronisation inside the step (routing, budget and experts run in moespec's CUDA ops, which
+allocate from torch's allocator and run on the current stream). Prefill, and calls that fit no
+bucket (unequal tree sizes, trees over ``max_tokens`` nodes, an observer recording routing), run
+the reference forward as they are.
+
+The forward is :class:`moespec.runtime.backend.ReferenceBackend`'s, on a batch whose index tensors
+are the static buffers; attention covers all S_max slots with the mask (the price of a fixed
+shape). On the CPU there are no graphs: the same static steps run eagerly, which is what the CPU
+tests hold against the reference path (tests/python/test_graphs.py); tests/gpu/test_runtime_cuda.py
+holds graph replay against eager on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from moespec.models.cache import KVCache
+from moespec.ops import ExpertBudget
+
+if TYPE_CHECKING:
+    from moespec.models.runtime import TargetModel
+    from moespec.runtime.backend import ForwardOutput, ReferenceBackend
+
+MAX_BUCKETS = 32  # distinct shapes captured per model (each holds a graph and its static buffers)
+
+
+class StaticStep:
+    """One bucket: static inputs over one cache, the forward on them, and its graph (on CUDA)."""
+
+    def __init__(self, reference: "ReferenceBackend", cache: KVCache, batch: int, tokens: int,
+                 budget: Optional[ExpertBudget], pool=None):
+        from moespec.runtime.backend import _Batch
+
+        self.reference, self.cache, self.budget = reference, cache, budget
+        device = reference.model.device
+        B, T, S = batch, tokens, cache.max_len
+        long = dict(dtype=torch.long, device=device)
+        self.batch = _Batch(tokens=torch.zeros(B, T, **long), num=[T] * B, starts=[0] * B,
+                            positions=torch.zeros(B, T, **long),
+                            visible=torch.zeros(B, T, S, dtype=torch.bool, device=device),
+                            valid=torch.ones(B, T, dtype=torch.bool, device=device),
+                            rows=torch.arange(B, **long).repeat_interleave(T), cols=torch.arange(T, **long).repeat(B),
+                            slots=torch.zeros(B * T, **long))
+        self.pool = pool
+        self.graph = None
+        self.out: Optional["ForwardOutput"] = None
+
+    def load(self, seqs: list[list[int]], parents: Optional[list[list[int]]]) -> None:
+        """Copies one call's inputs into the static buffers (the mask built as the reference builds it)."""
+        fresh = self.reference._batch(self.cache, seqs, parents)
+        b = self.batch
+        S = fresh.visible.shape[-1]
+        b.tokens.copy_(fresh.tokens, non_blocking=True)
+        b.positions.copy_(fresh.positions, non_blocking=True)
+        b.visible[:, :, S:].zero_()
+        b.visible[:, :, :S].copy_(fresh.visible, non_blocking=True)
+        b.slots.copy_(fresh.slots, non_blocking=True)
+
+    def run(self) -> "ForwardOutput":
+        """The forward on the loaded inputs: eagerly the first time (capturing it on CUDA), then replayed."""
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        out = self._forward()
+        if self.batch.tokens.is_cuda:
+            self._capture()
+        return out
+
+    def _forward(self) -> "ForwardOutput":
+        return self.reference._forward(self.cache, self.batch, self.budget, last_only=False)
+
+    def _capture(self) -> None:
+        """Captures the forward (its K/V writes go to the slots already written by the eager run, with
+        the same values, so capturing changes nothing)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up on a side stream, as torch's graph docs ask
+            self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.out = self._forward()
+        self.graph = graph
+
+
+class GraphBackend:
+    """See the module docstring. ``max_tokens``: the largest T a bucket takes (longer calls, such as a
+    long prefill, run the reference as they are)."""
+
+    name = "graphs"
+
+    def __init__(self, model: "TargetModel", reference: "ReferenceBackend", max_tokens: int = 128):
+        self.model, self.reference, self.max_tokens = model, reference, max_tokens
+        self.steps: dict[tuple, StaticStep] = {}
+        self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
+
+    def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
+                budget: Optional[ExpertBudget], last_only: bool, geo=None) -> "ForwardOutput":
+        from moespec.runtime.backend import ForwardOutput
+
+        num = [len(s) for s in seqs]
+        T = num[0]
+        if (self.model.observer is not None or any(n != T for n in num) or not 1 <= T <= self.max_tokens
+                or (parents is None and T > 1)):  # (prefill runs eagerly: decode and tree verify are the steps)
+            return self.reference.forward(cache, seqs, parents, budget, last_only)
+        # (sequences and trees of one T share a step: the mask is an input)
+        key = (cache.k.data_ptr(), tuple(cache.k.shape), len(seqs), T, budget, self.model.taps)
+        step = self.steps.get(key)
+        if step is None:
+            if len(self.steps) >= MAX_BUCKETS:
+                return self.reference.forward(cache, seqs, parents, budget, last_only)
+            step = self.steps[key] = StaticStep(self.reference, cache, len(seqs), T, budget, self.pool)
+        step.load(seqs, parents)
+        out = step.run()
+        logits = out.logits[:, -1] if last_only else out.logits  # every request has T tokens
+        return ForwardOutput(logits=logits.clone(), hidden=tuple(h.clone() for h in out.hidden),
+                             expert_stats=out.expert_stats.clone(), num_tokens=num, routing=None)
