@@ -97,6 +97,7 @@ def main() -> int:
                 r2 = 1 - float(((y - A @ coef) ** 2).sum() / ((y - y.mean()) ** 2).sum())
                 print(f"{name:14s} T={T:3d} linear in active experts: R^2 = {r2:.4f}")
                 rows.append({"shape": name, "T": T, "r2": r2})
+    rows += prefill_crossover()
     out = os.environ.get("OUT")
     if out:
         path = pathlib.Path(out) / "moe_experts_bench.json"
@@ -104,6 +105,35 @@ def main() -> int:
                                    indent=1))
         print(f"wrote {path}")
     return 0
+
+
+def prefill_crossover() -> list[dict]:
+    """Prefill sizes at the Qwen3-30B-A3B shape, every expert active: the decode/verify kernel against
+    the grouped-GEMM path (moe_experts_grouped), to set moespec.ops.moe.GROUPED_MIN_TOKENS."""
+    from moespec.ops.moe import moe_experts_grouped
+
+    H, I, E, K = SHAPES["qwen3-30b-a3b"]
+    experts = (torch.randn(E, 3 * I * H, device=CUDA, dtype=torch.bfloat16) / H**0.5)
+    rows = []
+    saved = os.environ.get("MOESPEC_GROUPED_MIN_TOKENS")
+    os.environ["MOESPEC_GROUPED_MIN_TOKENS"] = "0"  # moe_experts: always the kernel
+    try:
+        for T in (64, 128, 256, 512, 1024, 2048, 4096):
+            x = torch.randn(T, H, device=CUDA, dtype=torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, device=CUDA)[:K] for _ in range(T)]).to(torch.int32)
+            weights = torch.full((T, K), 1.0 / K, device=CUDA)
+            kernel = event_seconds(lambda: moe_experts(x, ids, weights, experts, I), 5)
+            grouped = event_seconds(lambda: moe_experts_grouped(x, ids, weights, experts, I), 5)
+            rows.append({"shape": "qwen3-30b-a3b", "prefill_T": T, "kernel_us": kernel * 1e6,
+                         "grouped_us": grouped * 1e6})
+            print(f"prefill T={T:5d}: kernel {kernel * 1e6:9.1f} us, grouped GEMM {grouped * 1e6:9.1f} us "
+                  f"({'grouped' if grouped < kernel else 'kernel'} faster)")
+    finally:
+        if saved is None:
+            os.environ.pop("MOESPEC_GROUPED_MIN_TOKENS")
+        else:
+            os.environ["MOESPEC_GROUPED_MIN_TOKENS"] = saved
+    return rows
 
 
 def _grouped_time(x, ids, gate, up, down) -> float:

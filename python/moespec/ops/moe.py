@@ -8,6 +8,7 @@ Dimensions: T tokens, H hidden, I expert intermediate size, E experts, K top-k.
 
 from __future__ import annotations
 
+import os
 from typing import Literal, Optional
 
 import torch
@@ -17,6 +18,43 @@ from moespec._tensor import DTYPE_CODES, view
 
 Activation = Literal["swiglu", "gpt_oss"]
 _ACTIVATION_CODES = {"swiglu": 0, "gpt_oss": 1}
+# From this many tokens on (prefill), bf16 SwiGLU experts on CUDA run as torch's grouped GEMM
+# (moe_experts_grouped) instead of the decode/verify kernel; MOESPEC_GROUPED_MIN_TOKENS overrides it
+# (0: never). A first guess, to be set by tests/gpu/bench_moe_experts_cuda.py's crossover.
+GROUPED_MIN_TOKENS = 512
+
+
+def grouped_fits(hidden: int, intermediate: int) -> bool:
+    """Whether the grouped GEMMs take these sizes (16-byte strides in bf16)."""
+    return hidden % 8 == 0 and intermediate % 8 == 0
+
+
+def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                        intermediate_size: int) -> torch.Tensor:
+    """SwiGLU experts as two grouped GEMMs (``torch.nn.functional.grouped_mm``), for prefill-sized T:
+    the slots sorted by expert (dropped slots last, their rows ignored), gate/up then down over the
+    experts' weight views (no copy), and each token's K results summed in slot order in fp32
+    (deterministic: no atomics). bf16 in and out; the gate/up products are rounded to bf16 before the
+    activation (the kernel keeps them in fp32), so results agree with moe_experts to bf16 rounding.
+    No host synchronisation. H and I must be multiples of 8 (the GEMMs' 16-byte strides)."""
+    T, H = x.shape
+    E, I = experts.shape[0], intermediate_size
+    if not grouped_fits(H, I):
+        raise ValueError(f"moe_experts_grouped: H={H} and I={I} must be multiples of 8 (16-byte strides)")
+    block, base = experts.shape[1], experts.storage_offset()
+    gate_up = experts.as_strided((E, 2 * I, H), (block, H, 1), base)  # [E, 2I, H]
+    down = experts.as_strided((E, H, I), (block, I, 1), base + 2 * I * H)  # [E, H, I]
+    flat = ids.reshape(-1).long()  # [T K]
+    order = torch.argsort(flat, stable=True)  # by expert, dropped (E) last
+    offs = torch.cumsum(torch.bincount(flat, minlength=E + 1)[:E], 0).to(torch.int32)  # [E] group ends
+    rows = x[order // ids.shape[1]]  # [T K, H]
+    g, u = torch.nn.functional.grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    h = (torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype)
+    y = torch.nn.functional.grouped_mm(h, down.transpose(1, 2), offs=offs)  # [T K, H]
+    w = weights.reshape(-1)[order]
+    y = torch.where((w != 0)[:, None], y.float() * w[:, None], 0.0)  # dropped / zero-weight slots: 0
+    per_slot = torch.empty_like(y).index_copy_(0, order, y)  # back to slot order
+    return per_slot.view(T, ids.shape[1], H).sum(dim=1).to(x.dtype)
 
 
 def _moe_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -27,6 +65,10 @@ def _moe_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     workspace, stream = None, 0
     if x.device.type == "cuda":  # cpp/kernels/moe_experts.cu: scratch from torch's allocator, the current stream
+        grouped_min = int(os.environ.get("MOESPEC_GROUPED_MIN_TOKENS", GROUPED_MIN_TOKENS))
+        if (0 < grouped_min <= x.shape[0] and x.dtype == torch.bfloat16 and activation == 0 and biases is None
+                and ids.dim() == 2 and grouped_fits(x.shape[1], intermediate_size)):
+            return moe_experts_grouped(x, ids, weights, experts, intermediate_size)
         require_cuda()
         nbytes = native().moe_experts_workspace_size(x.shape[0], ids.shape[-1] if ids.dim() == 2 else 0,
                                                      experts.shape[0], x.shape[1], intermediate_size,
