@@ -14,8 +14,12 @@
 # H100/H200), JOBS (default: all cores), TensorRT_ROOT (a folder with include/NvInfer.h: the
 # TensorRT plugins are built too, and ctest runs their enqueue on the GPU, test_plugins_enqueue;
 # the device machine has no TensorRT, so a device call copies the public headers into an ignored
-# folder of the checkout, carries it and points TensorRT_ROOT there). Logs go to $OUT when set,
-# else to build-gpu/logs.
+# folder of the checkout, carries it and points TensorRT_ROOT there). Logs, summary.json (each
+# step passed or failed) and the timings' JSON go to $OUT when set, else to build-gpu/logs.
+#
+# The device call (one prepared command; ~4-6 minutes on an H200):
+#   mkdir -p .trt-headers && cp -r ../shared/third_party/tensorrt/include .trt-headers/   # (ignored by git)
+#   run: TensorRT_ROOT=$PWD/.trt-headers tests/gpu/run.sh      carry: [".trt-headers"]
 # Takes about 2-4 minutes on an H200 (mostly the build).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -39,24 +43,23 @@ cmake -S . -B "$BUILD" -G Ninja -DPython_EXECUTABLE="$PY" -DMOESPEC_CUDA=ON \
 log "build -> $LOGS/build.log"
 cmake --build "$BUILD" -j "${JOBS:-$(nproc)}" 2>&1 | tee "$LOGS/build.log"
 
-log "C++ tests (ctest) -> $LOGS/ctest.log"
-(cd "$BUILD" && ctest --output-on-failure) 2>&1 | tee "$LOGS/ctest.log" || status=1
+results=()  # "name": "passed" | "failed", written to $LOGS/summary.json
+step() {  # step <name> <log file> <command...>: runs it, logs it, records its result
+  local name=$1 file=$2
+  shift 2
+  log "$name -> $LOGS/$file"
+  if "$@" 2>&1 | tee -a "$LOGS/$file"; then results+=("\"$name\": \"passed\""); else
+    results+=("\"$name\": \"failed\""); status=1; fi
+}
 
-log "GPU tests (pytest tests/gpu) -> $LOGS/pytest.log"
+step "C++ tests (ctest)" ctest.log bash -c "cd '$BUILD' && ctest --output-on-failure"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$LOGS/pytest.log" || true
-PYTHONPATH=python "$PY" -m pytest -q tests/gpu 2>&1 | tee -a "$LOGS/pytest.log" || status=1
-
-log "timing (tests/gpu/bench_route_experts_cuda.py) -> $LOGS/bench.log"
-PYTHONPATH=python "$PY" tests/gpu/bench_route_experts_cuda.py 2>&1 | tee "$LOGS/bench.log" || status=1
-
-log "timing (tests/gpu/bench_moe_experts_cuda.py) -> $LOGS/bench_moe.log"
-PYTHONPATH=python "$PY" tests/gpu/bench_moe_experts_cuda.py 2>&1 | tee "$LOGS/bench_moe.log" || status=1
-
-log "timing (tests/gpu/bench_runtime_cuda.py) -> $LOGS/bench_runtime.log"
-PYTHONPATH=python "$PY" tests/gpu/bench_runtime_cuda.py 2>&1 | tee "$LOGS/bench_runtime.log" || status=1
-
-log "hardware profile for moespec analyze (tests/gpu/measure_profile.py) -> $LOGS/profile.log"
-"$PY" tests/gpu/measure_profile.py 2>&1 | tee "$LOGS/profile.log" || status=1
+step "GPU tests (pytest tests/gpu)" pytest.log env PYTHONPATH=python "$PY" -m pytest -q tests/gpu
+step "timing: route_experts" bench.log env PYTHONPATH=python "$PY" tests/gpu/bench_route_experts_cuda.py
+step "timing: moe_experts" bench_moe.log env PYTHONPATH=python "$PY" tests/gpu/bench_moe_experts_cuda.py
+step "timing: runtime steps" bench_runtime.log env PYTHONPATH=python "$PY" tests/gpu/bench_runtime_cuda.py
+step "hardware profile" profile.log "$PY" tests/gpu/measure_profile.py
+(IFS=,; printf '{%s}\n' "${results[*]}") >"$LOGS/summary.json"
 
 if [[ $status == 0 ]]; then log "all passed; logs in $LOGS"; else log "FAILED (see above); logs in $LOGS"; fi
 exit $status
