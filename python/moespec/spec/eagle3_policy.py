@@ -128,7 +128,10 @@ class Eagle3Policy:
         parents = run.cache.pending.parents
         run.last_expert_stats = out.expert_stats
         run.last_predicted_unique = None if self.selector is None else self.selector.predicted_unique
-        accepted = [accept(tokens[b], parents[b], out.logits[b, : len(tokens[b])], r.params, r.generator)
+        # greedy rows' argmax for the whole batch at once: one copy back from the device per step
+        choices = out.logits.argmax(dim=-1).tolist() if any(r.params.greedy for r in batch) else None  # [B, T]
+        accepted = [accept(tokens[b], parents[b], out.logits[b, : len(tokens[b])], r.params, r.generator,
+                           choice=choices[b][: len(tokens[b])] if r.params.greedy else None)
                     if active[b] else None for b, r in enumerate(batch)]
         self.target.commit(run.cache, [a.path if a else [] for a in accepted])
         self._catch_up(run, [a.tokens if a else [] for a in accepted], self._path_features(out.hidden, accepted))

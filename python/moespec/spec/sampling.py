@@ -95,14 +95,15 @@ def children_of(parents: Sequence[int]) -> list[list[int]]:
 
 
 def accept(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, params: SamplingParams,
-           generator: Optional[torch.Generator] = None) -> Acceptance:
+           generator: Optional[torch.Generator] = None, choice: Optional[Sequence[int]] = None) -> Acceptance:
     """Accepts a path of one verified tree: ``tokens``/``parents`` [M + 1], target ``logits`` [M + 1, V]
-    (row i: the target's next-token logits after node i)."""
+    (row i: the target's next-token logits after node i). ``choice``: greedy only, the rows' argmax
+    when the caller has them (a batch's argmax in one copy from the GPU)."""
     kids = children_of(parents)
     path, out = [0], []
     node = 0
     if params.greedy:
-        choice = logits.argmax(dim=-1).tolist()  # [M + 1]
+        choice = logits.argmax(dim=-1).tolist() if choice is None else choice  # [M + 1]
         while True:
             nxt = next((c for c in kids[node] if tokens[c] == choice[node]), None)
             if nxt is None:
