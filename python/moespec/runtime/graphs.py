@@ -1,12 +1,13 @@
 """The ``"graphs"`` backend: decode and verify steps replayed as CUDA graphs, per shape bucket.
 
-A step's shape is a bucket ``(batch B, new tokens T per request, sequence or tree, budget)``: every
+A step's shape is a bucket ``(batch B, new tokens T per request, budget)``: every
 request of the call brings exactly T tokens (decode: T = 1; an eagle3 tree of ``total_tokens``
 nodes: T = total_tokens + 1). The first call of a bucket allocates its static inputs once (tokens
 and positions [B, T], the attention mask [B, T, S_max] over the whole cache, the cache slots
 [B T]), runs the reference forward on them eagerly (that call's result) and, on CUDA, captures the
 same forward into a ``torch.cuda.CUDAGraph`` (one memory pool for all buckets); later calls of the
-bucket copy their inputs into the static buffers and replay: one launch, no per-op dispatch, no
+bucket copy their packed inputs (token ids, positions, the trees' packed mask words: one small
+host-to-device copy) into the static buffers, build the mask and slots there, and replay: one launch, no per-op dispatch, no
 host synchronisation inside the step (routing, budget and experts run in moespec's CUDA ops, which
 allocate from torch's allocator and run on the current stream). Prefill, and calls that fit no
 bucket (unequal tree sizes, trees over ``max_tokens`` nodes, an observer recording routing), run
@@ -27,6 +28,7 @@ import torch
 
 from moespec.models.cache import KVCache
 from moespec.ops import ExpertBudget
+from moespec.runtime.state import StepGeometry, step_geometry
 
 if TYPE_CHECKING:
     from moespec.models.runtime import TargetModel
@@ -56,16 +58,28 @@ class StaticStep:
         self.graph = None
         self.out: Optional["ForwardOutput"] = None
 
-    def load(self, seqs: list[list[int]], parents: Optional[list[list[int]]]) -> None:
-        """Copies one call's inputs into the static buffers (the mask built as the reference builds it)."""
-        fresh = self.reference._batch(self.cache, seqs, parents)
+    def load(self, geo: "StepGeometry", starts: list[int]) -> None:
+        """Copies one call's packed geometry into the static buffers in one host-to-device copy, and
+        builds the attention mask over every cache slot and the slots on the device from the tree's
+        packed mask words (committed slots, then ancestor-or-self among the new tokens)."""
         b = self.batch
-        S = fresh.visible.shape[-1]
-        b.tokens.copy_(fresh.tokens, non_blocking=True)
-        b.positions.copy_(fresh.positions, non_blocking=True)
-        b.visible[:, :, S:].zero_()
-        b.visible[:, :, :S].copy_(fresh.visible, non_blocking=True)
-        b.slots.copy_(fresh.slots, non_blocking=True)
+        B, T = b.tokens.shape
+        S = b.visible.shape[-1]
+        P, W = geo.mask.shape
+        host = torch.cat([geo.tokens.long(), geo.positions.long(), torch.tensor(starts, dtype=torch.long),
+                          geo.mask.long().reshape(-1)])
+        dev = host.to(b.tokens.device, non_blocking=True)
+        start = dev[2 * P: 2 * P + B]
+        words = dev[2 * P + B:].view(B, T, W)  # int32 words sign-extended: bits 0..31 as they were
+        b.tokens.copy_(dev[:P].view(B, T))
+        b.positions.copy_(dev[P: 2 * P].view(B, T))
+        rel = torch.arange(S, device=dev.device)[None, :] - start[:, None]  # [B, S]: index among the new tokens
+        r = rel.clamp(0, T - 1)
+        word = torch.gather(words, 2, (r // 32)[:, None, :].expand(B, T, S))  # [B, T, S]
+        bit = ((word >> (r % 32)[:, None, :]) & 1).bool()
+        new = ((rel >= 0) & (rel < T))[:, None, :] & bit
+        b.visible.copy_((rel < 0)[:, None, :] | new)
+        b.slots.copy_((start[:, None] + torch.arange(T, device=dev.device)).reshape(-1))
 
     def run(self) -> "ForwardOutput":
         """The forward on the loaded inputs: eagerly the first time (capturing it on CUDA), then replayed."""
@@ -121,7 +135,7 @@ class GraphBackend:
             if len(self.steps) >= MAX_BUCKETS:
                 return self.reference.forward(cache, seqs, parents, budget, last_only)
             step = self.steps[key] = StaticStep(self.reference, cache, len(seqs), T, budget, self.pool)
-        step.load(seqs, parents)
+        step.load(geo if geo is not None else step_geometry(seqs, cache.lengths, parents), list(cache.lengths))
         out = step.run()
         logits = out.logits[:, -1] if last_only else out.logits  # every request has T tokens
         return ForwardOutput(logits=logits.clone(), hidden=tuple(h.clone() for h in out.hidden),
