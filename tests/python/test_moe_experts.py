@@ -98,6 +98,8 @@ def test_tokens_with_every_slot_dropped_get_zero():
     ids = torch.tensor([[0, 1], [E, E], [2, E]], dtype=torch.int32)
     out = moe_experts(x, ids, torch.ones(3, 2), experts, I)
     assert torch.all(out[1] == 0) and torch.any(out[0] != 0)
+    grouped = moe_experts_grouped(x.bfloat16(), ids, torch.ones(3, 2), experts.bfloat16(), I)  # (weights 1, ids E)
+    assert torch.all(grouped[1] == 0) and torch.any(grouped[0] != 0)
 
 
 def test_results_do_not_depend_on_the_thread_count():

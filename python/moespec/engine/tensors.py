@@ -10,6 +10,7 @@ Implements the weights part of DESIGN.md "Contracts" -> "Engine folder". The lay
                                           its output gate shared_gate [1, H]
     layers.{i}.input_norm    [H]          and qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
     layers.{i}.gate_up       [2 I, H]     gate_up, down for dense layers (None fields are absent)
+    layers.{i}.sinks         [Hq]         GPT-OSS: attention sinks, router_bias [E], expert_biases [E, 2 I + H]
     embed                    [V, H]
     final_norm               [H]
     lm_head                  [V, H]       absent when the embeddings are tied
@@ -68,8 +69,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_bias:
             shapes[p + "o_bias"] = (H,)
         shapes[p + "post_norm"] = (H,)
+        if c.attention_sinks:
+            shapes[p + "sinks"] = (Hq,)
         if c.is_moe_layer(i):
             shapes[p + "router"] = (c.moe.num_experts, H)
+            if c.moe.router_bias:
+                shapes[p + "router_bias"] = (c.moe.num_experts,)
+            if c.moe.expert_biases:
+                shapes[p + "expert_biases"] = (c.moe.num_experts, 2 * c.moe.intermediate_size + H)
             Is = c.moe.shared_intermediate_size
             if Is:  # the shared expert (Qwen2-MoE)
                 shapes[p + "shared_gate_up"], shapes[p + "shared_down"] = (2 * Is, H), (H, Is)

@@ -22,17 +22,41 @@ from moespec.ops import RouterSpec
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary position embedding: ``default``, ``linear`` (position interpolation) or ``llama3``."""
+    """Rotary position embedding: ``default``, ``linear`` (position interpolation), ``llama3`` or
+    ``yarn`` (NTK-by-parts interpolation with its attention scale, GPT-OSS and DeepSeek-V3)."""
 
     theta: float
-    kind: Literal["default", "linear", "llama3"] = "default"
+    kind: Literal["default", "linear", "llama3", "yarn"] = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: Optional[float] = None  # yarn: cos/sin scale; None: from factor (and mscale)
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor cos and sin are multiplied by (1 but for yarn), as transformers computes it."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(get(self.factor, self.mscale) / get(self.factor, self.mscale_all_dim))
+        return get(self.factor)
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """float32 [D/2], computed as transformers computes it (same ops, same rounding)."""
+        if self.kind == "yarn":
+            return self._yarn_inv_freq(head_dim)
         inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
         if self.kind == "linear":
             inv = inv / self.factor
@@ -49,6 +73,23 @@ class RopeConfig:
             inv = torch.where(medium, smoothed, scaled)
         return inv
 
+    def _yarn_inv_freq(self, dim: int) -> torch.Tensor:
+        base, factor = self.theta, self.factor
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+        extrapolation = 1 - ramp
+        return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -63,6 +104,11 @@ class MoeConfig:
     # Is of the shared expert that every token runs beside the routed ones, its output scaled by
     # sigmoid(shared_gate . x) (Qwen2-MoE); 0: no shared expert.
     shared_intermediate_size: int = 0
+    activation: Literal["swiglu", "gpt_oss"] = "swiglu"  # gpt_oss: clamped SwiGLU (limit, alpha) with biases
+    expert_biases: bool = False  # gate, up and down biases per expert (GPT-OSS)
+    router_bias: bool = False  # a bias on the router logits (GPT-OSS)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True)
@@ -88,6 +134,14 @@ class ModelConfig:
     moe: Optional[MoeConfig]
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: Optional[int] = None
+    sliding_window: int = 0  # W of the sliding layers: a token sees keys less than W positions back
+    sliding_layers: tuple[int, ...] = ()  # layers with sliding-window attention (GPT-OSS's layer_types)
+    attention_sinks: bool = False  # one learned logit per head in every softmax's denominator (GPT-OSS)
+    norm_scale_fp32: bool = False  # RMSNorm scales in float32, then casts (GPT-OSS); else casts, then scales
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer``: W, or 0 for full attention."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
@@ -136,6 +190,14 @@ def parse_rope(cfg: RawConfig) -> RopeConfig:
         params = {**params, **scaling}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "yarn":
+        return RopeConfig(
+            theta, "yarn", factor=float(params["factor"]),
+            original_max_position=int(params.get("original_max_position_embeddings") or 4096),
+            beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
+            mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
     if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
         raise cfg.fail("partial_rotary_factor", "partial rotary embeddings are not supported")
     if kind == "default":
@@ -151,7 +213,8 @@ def parse_rope(cfg: RawConfig) -> RopeConfig:
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position=int(params.get("original_max_position_embeddings", 8192)),
         )
-    raise cfg.fail("rope_parameters", f"rope_type={kind!r} is not supported (supported: default, linear, llama3)")
+    raise cfg.fail("rope_parameters", f"rope_type={kind!r} is not supported (supported: default, linear, llama3, "
+                                      f"yarn)")
 
 
 def parse_common(cfg: RawConfig, architecture: str) -> dict[str, Any]:

@@ -30,6 +30,13 @@ MOE_IMPLS = ("kernel", "reference")
 def experts_reference(x: torch.Tensor, routing: Routing, layer: LayerWeights, moe: MoeConfig) -> torch.Tensor:
     """sum_k weight[t, k] * expert_{ids[t, k]}(x[t]) for every token t; [P, H] in x's dtype."""
     E, K, I = moe.num_experts, moe.top_k, moe.intermediate_size
+    if moe.activation == "gpt_oss":  # (the plain-torch semantics of moe_experts: fp32 sums)
+        from moespec.ops.reference import moe_experts_reference
+
+        weights = routing.weights.to(x.dtype).float() if moe.weights_in_model_dtype else routing.weights
+        return moe_experts_reference(x, routing.ids, weights, layer.experts, I, activation="gpt_oss",
+                                     biases=layer.expert_biases.float(), limit=moe.swiglu_limit,
+                                     alpha=moe.swiglu_alpha)
     gate_up, down = layer.expert_gate_up(I), layer.expert_down(I)  # [E, 2I, H], [E, H, I]
     weights = routing.weights.to(x.dtype) if moe.weights_in_model_dtype else routing.weights  # [P, K]
     flat = routing.ids.reshape(-1)  # [P K]
@@ -72,7 +79,7 @@ def moe_forward(
     """Routes the P tokens of ``x`` [P, H] (together: the budget is per layer per batch) and runs the
     experts. Returns the feed-forward output [P, H] and the routing stats int32 [4]. ``trace``: a
     list the natural (unbudgeted) routing is appended to (moespec.models.trace)."""
-    logits = F.linear(x, layer.router)  # [P, E], in the model dtype as transformers computes it
+    logits = F.linear(x, layer.router, layer.router_bias)  # [P, E], in the model dtype as transformers computes it
     routing = route_experts(logits, moe.router, budget)
     if trace is not None:
         trace.append(routing if budget is None else route_experts(logits, moe.router, None))
@@ -82,7 +89,9 @@ def moe_forward(
         weights = routing.weights
         if moe.weights_in_model_dtype and x.dtype != weights.dtype:
             weights = weights.to(x.dtype).float()  # rounded as the family's router rounds them
-        out = moe_experts(x, routing.ids, weights, layer.experts, moe.intermediate_size)
+        biases = layer.expert_biases.float() if layer.expert_biases is not None else None
+        out = moe_experts(x, routing.ids, weights, layer.experts, moe.intermediate_size, activation=moe.activation,
+                          biases=biases, limit=moe.swiglu_limit, alpha=moe.swiglu_alpha)
     if layer.shared_down is not None:
         out = out + shared_expert(x, layer)
     return out, routing.stats_tensor

@@ -7,7 +7,10 @@ Layout (what the forward pass and, later, engine folders use):
   ``experts`` [E, 3 I H] = for each expert its gate [I, H], up [I, H] and down [H, I], row-major,
   so reading one expert is one sequential read (DESIGN.md "Contracts", engine folder);
 - a shared expert (Qwen2-MoE), when the config has one: ``shared_gate_up`` [2 Is, H], ``shared_down``
-  [H, Is] and its gate ``shared_gate`` [1, H].
+  [H, Is] and its gate ``shared_gate`` [1, H];
+- GPT-OSS: attention ``sinks`` [Hq], ``router_bias`` [E] and ``expert_biases`` [E, 2 I + H] (gate, up,
+  down), its experts converted from the checkpoint's interleaved, transposed ``gate_up_proj`` [E, H,
+  2 I] and ``down_proj`` [E, I, H], or from their MXFP4 blocks and scales (:func:`dequantize_mxfp4`).
 Every tensor's shape is checked against the config; a missing or mis-shaped tensor is a ValueError
 naming it.
 """
@@ -43,6 +46,9 @@ class LayerWeights:
     shared_gate_up: Optional[torch.Tensor] = None  # MoE with a shared expert: [2 Is, H]
     shared_down: Optional[torch.Tensor] = None  # [H, Is]
     shared_gate: Optional[torch.Tensor] = None  # [1, H]: the sigmoid gate of the shared expert's output
+    sinks: Optional[torch.Tensor] = None  # [Hq]: attention sink logits (GPT-OSS)
+    router_bias: Optional[torch.Tensor] = None  # [E] (GPT-OSS)
+    expert_biases: Optional[torch.Tensor] = None  # [E, 2 I + H]: each expert's gate, up and down biases (GPT-OSS)
 
     def __post_init__(self) -> None:
         # A one-row F.linear takes a GEMV path whose summation order depends on the weight's address
@@ -114,6 +120,51 @@ class _Reader:
         return self(name, shape) if name in self.ckpt else None
 
 
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """MXFP4 (OCP microscaling, as GPT-OSS checkpoints store experts) -> float32 [..., G * 32]:
+    ``blocks`` uint8 [..., G, 16] hold 32 e2m1 values per group (low nibble first), ``scales`` uint8
+    [..., G] one power-of-two exponent per group (bias 127). ValueError naming ``name`` for shapes that
+    do not match."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() < 2 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"{name}: MXFP4 blocks must be [..., G, 16] with scales [..., G], got blocks "
+                         f"{tuple(blocks.shape)} and scales {tuple(scales.shape)}")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)  # [..., G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
+
+
+def _gpt_oss_experts(read: _Reader, ckpt: Checkpoint, prefix: str, E: int, I: int,
+                     H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS experts -> ([E, 3 I H] blocks, [E, 2 I + H] biases): gate_up_proj [E, H, 2 I] holds gate
+    and up interleaved (gate in even columns), down_proj [E, I, H]; or their MXFP4 ``_blocks``/``_scales``
+    ([E, 2 I, H / 32, 16] and [E, H, I / 32, 16], stored transposed)."""
+    def weight(name: str, shape: tuple[int, int, int]) -> torch.Tensor:
+        if prefix + name + "_blocks" in ckpt:
+            rows, cols = shape[2], shape[1]
+            blocks, scales = ckpt.get(prefix + name + "_blocks"), ckpt.get(prefix + name + "_scales")
+            if tuple(blocks.shape) != (E, rows, cols // 32, 16):
+                raise ValueError(f"{ckpt.folder}: tensor {prefix + name + '_blocks'!r} has shape {tuple(blocks.shape)}, "
+                                 f"expected {(E, rows, cols // 32, 16)} (MXFP4: 16 bytes per 32 values)")
+            return dequantize_mxfp4(blocks, scales, prefix + name).transpose(1, 2)  # [E, cols, rows]
+        return read(prefix + name, shape, torch.float32)
+
+    gate_up, down = weight("gate_up_proj", (E, H, 2 * I)), weight("down_proj", (E, I, H))
+    out = torch.empty(E, 3, I, H, dtype=read.dtype)
+    out[:, 0] = gate_up[:, :, 0::2].transpose(1, 2)
+    out[:, 1] = gate_up[:, :, 1::2].transpose(1, 2)
+    out = out.reshape(E, 3 * I * H)
+    out[:, 2 * I * H:] = down.transpose(1, 2).reshape(E, H * I).to(read.dtype)
+    gate_up_bias = read(prefix + "gate_up_proj_bias", (E, 2 * I))
+    biases = torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2], read(prefix + "down_proj_bias", (E, H))], dim=1)
+    return out, biases
+
+
 def _experts(read: _Reader, ckpt: Checkpoint, names: TensorNames, prefix: str, E: int, I: int, H: int) -> torch.Tensor:
     """[E, 3 I H]: each expert's gate, up, down as one contiguous block."""
     out = torch.empty(E, 3 * I * H, dtype=read.dtype)
@@ -162,11 +213,18 @@ def load_weights(ckpt: Checkpoint, cfg: ModelConfig, names: TensorNames, dtype: 
             o_bias=read(attn + "o_proj.bias", (H,)) if cfg.attention_bias else None,
             post_norm=read(names.post_norm.format(i=i), (H,)),
         )
+        if cfg.attention_sinks:
+            layer.sinks = read(attn + "sinks", (Hq,))
         if cfg.is_moe_layer(i):
             moe = names.moe.format(i=i)
             E, I = cfg.moe.num_experts, cfg.moe.intermediate_size
             layer.router = read(moe + names.router, (E, H))
-            layer.experts = _experts(read, ckpt, names, moe, E, I, H)
+            if cfg.moe.router_bias:
+                layer.router_bias = read(moe + names.router.replace("weight", "bias"), (E,))
+            if cfg.moe.activation == "gpt_oss":
+                layer.experts, layer.expert_biases = _gpt_oss_experts(read, ckpt, moe + "experts.", E, I, H)
+            else:
+                layer.experts = _experts(read, ckpt, names, moe, E, I, H)
             Is = cfg.moe.shared_intermediate_size
             if Is:  # Qwen2-MoE's names (the one family with a shared expert so far)
                 shared = moe + "shared_expert."

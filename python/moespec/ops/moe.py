@@ -52,7 +52,8 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     h = (torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype)
     y = torch.nn.functional.grouped_mm(h, down.transpose(1, 2), offs=offs)  # [T K, H]
     w = weights.reshape(-1)[order]
-    y = torch.where((w != 0)[:, None], y.float() * w[:, None], 0.0)  # dropped / zero-weight slots: 0
+    keep = (flat[order] < E) & (w != 0)  # dropped slots' rows lie past the last group: never read
+    y = torch.where(keep[:, None], y.float() * w[:, None], 0.0)
     per_slot = torch.empty_like(y).index_copy_(0, order, y)  # back to slot order
     return per_slot.view(T, ids.shape[1], H).sum(dim=1).to(x.dtype)
 

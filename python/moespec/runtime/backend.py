@@ -64,11 +64,12 @@ class ForwardOutput:
         return [RoutingStats(*row) for row in self.expert_stats.tolist()]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in fp32, cast back, then scale."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fp32: bool = False) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32, cast back, then scale (``scale_fp32``: scale in fp32,
+    then cast, as GPT-OSS does)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return (weight * h).to(x.dtype) if scale_fp32 else weight * h.to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -164,15 +165,21 @@ class ReferenceBackend:
         S = batch.visible.shape[-1]
         freqs = batch.positions[..., None].float() * model.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(model.dtype)[:, None], emb.sin().to(model.dtype)[:, None]  # [B, 1, T, D]
-        mask = batch.visible[:, None]  # [B, 1, T, S]
+        scaling = c.rope.attention_scaling  # (1 but for yarn; multiplying by 1.0 changes nothing)
+        cos, sin = (emb.cos() * scaling).to(model.dtype)[:, None], (emb.sin() * scaling).to(model.dtype)[:, None]
+        masks = {0: batch.visible[:, None]}  # window -> [B, 1, T, S]; 0: full attention
+        for window in {c.window(i) for i in range(c.num_layers)} - {0}:
+            key_pos = torch.arange(S, device=batch.positions.device).expand(B, S).clone()  # [B, S]
+            key_pos[batch.rows, batch.slots] = batch.positions[batch.rows, batch.cols]  # the new tokens' own
+            near = batch.positions[:, :, None] - key_pos[:, None, :] < window  # [B, T, S]
+            masks[window] = (batch.visible & (near | ~batch.valid[:, :, None]))[:, None]  # (padding keeps slot 0)
+        norm = lambda t, weight: rms_norm(t, weight, c.rms_norm_eps, c.norm_scale_fp32)  # noqa: E731
         x = F.embedding(batch.tokens, w.embed)  # [B, T, H]
         tapped, stats = {}, []
         trace: Optional[list] = [] if model.observer is not None and c.moe is not None else None
         for i, layer in enumerate(w.layers):
-            x = x + self._attention(i, layer, rms_norm(x, layer.input_norm, c.rms_norm_eps), cos, sin, mask, cache,
-                                    batch, S)
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            x = x + self._attention(i, layer, norm(x, layer.input_norm), cos, sin, masks[c.window(i)], cache, batch, S)
+            h = norm(x, layer.post_norm)
             if c.is_moe_layer(i):
                 y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, budget,  # valid tokens only
                                              model.moe_impl, trace=trace)
@@ -188,7 +195,7 @@ class ReferenceBackend:
         if last_only:
             last = torch.tensor([max(n - 1, 0) for n in batch.num], device=x.device)
             x = x[torch.arange(B, device=x.device), last]  # [B, H]
-        logits = F.linear(rms_norm(x, w.final_norm, c.rms_norm_eps), w.lm_head)
+        logits = F.linear(norm(x, w.final_norm), w.lm_head)
         if last_only:
             logits = logits * batch.valid.any(dim=1, keepdim=True)  # zeros for requests without new tokens
         expert_stats = torch.stack(stats) if stats else torch.zeros(0, 4, dtype=torch.int32, device=x.device)
@@ -216,9 +223,28 @@ class ReferenceBackend:
         k_cache, v_cache = cache.k[index], cache.v[index]  # [B, Hkv, S_max, D]
         k_cache[batch.rows, :, batch.slots] = k[batch.rows, :, batch.cols]
         v_cache[batch.rows, :, batch.slots] = v.transpose(1, 2)[batch.rows, :, batch.cols]
-        o = F.scaled_dot_product_attention(q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask,
-                                           scale=D**-0.5, enable_gqa=Hq != Hkv)  # [B, Hq, T, D]
+        if layer.sinks is None:
+            o = F.scaled_dot_product_attention(q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask,
+                                               scale=D**-0.5, enable_gqa=Hq != Hkv)  # [B, Hq, T, D]
+        else:
+            o = _attention_with_sinks(q, k_cache[:, :, :S], v_cache[:, :, :S], mask, layer.sinks, D**-0.5)
         return F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), layer.o, layer.o_bias)
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, the learned sink, in its denominator (GPT-OSS,
+    as transformers' eager attention computes it): q [B, Hq, T, D], k, v [B, Hkv, S, D], mask bool
+    [B, 1, T, S], sinks [Hq]; [B, Hq, T, D]."""
+    B, Hq, T, _ = q.shape
+    groups = Hq // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, Hq, T, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(B, Hq, T, 1).to(scores.dtype)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 # ---- native -------------------------------------------------------------------------------------
@@ -237,8 +263,12 @@ class NativeBackend:
     def supports(model: "TargetModel") -> bool:
         w = model.weights
         moe = model.config.moe
+        c = model.config
         return (model.dtype in (torch.float32, torch.bfloat16) and w.lm_head.device.type == "cpu"
-                and model.moe_impl == "kernel" and (moe is None or moe.router.family == "softmax"))
+                and model.moe_impl == "kernel" and (moe is None or (moe.router.family == "softmax"
+                                                                    and moe.activation == "swiglu"))
+                and not c.sliding_layers and not c.attention_sinks and not c.norm_scale_fp32
+                and c.rope.kind != "yarn")
 
     def __init__(self, model: "TargetModel", reference: ReferenceBackend):
         self.model, self.reference = model, reference
