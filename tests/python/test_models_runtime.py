@@ -283,7 +283,7 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path, checkpoints):
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
         ({"architectures": None}, "architectures"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope_type='yarn' is not supported"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}}, "rope_type='longrope' is not supported"),
         ({"use_sliding_window": True}, "sliding-window attention is not supported"),
         ({"num_hidden_layers": None}, "required field 'num_hidden_layers' is missing"),
     ],

@@ -182,6 +182,14 @@ def export_verify(config: ModelConfig, weights: ModelWeights, *, budget: Optiona
         raise ValueError(f"onnx export: weights of dtype {weights.dtype} (expected float32, bfloat16 or float16)")
     if weights.device.type != "cpu":
         raise ValueError("onnx export: load the model on the CPU")
+    unsupported = [what for what, present in (
+        ("attention sinks", config.attention_sinks), ("sliding-window layers", bool(config.sliding_layers)),
+        ("float32-scaled norms", config.norm_scale_fp32), ("yarn rope", config.rope.kind == "yarn"),
+        ("a router bias", config.moe is not None and config.moe.router_bias),
+        ("GPT-OSS experts", config.moe is not None and config.moe.activation != "swiglu")) if present]
+    if unsupported:
+        raise ValueError(f"onnx export: {config.architecture} uses {', '.join(unsupported)}, which the verify network "
+                         f"does not export yet")
     for t in taps:
         if not 0 <= t < config.num_layers:
             raise ValueError(f"onnx export: tap layer {t} does not exist ({config.num_layers} layers)")
