@@ -174,3 +174,51 @@ def budgeted_moe_blocks(hf, budget, record: Optional[list] = None) -> list:
         block.forward = forward
         blocks.append(block)
     return blocks
+
+
+# ---- checks shared by the families tested against transformers in their own files (GPT-OSS, DeepSeek-V3)
+
+
+@torch.no_grad()
+def hf_last(hf, seq: list[int]) -> torch.Tensor:
+    """transformers' next-token logits [V] after ``seq``."""
+    return hf(torch.tensor([seq])).logits[0, -1]
+
+
+def check_tree_equals_paths(model, hf, prompt: list[int]) -> None:
+    """Each verified node's logits equal transformers' on the prompt plus its root-to-node path; after
+    commit, decoding continues as from scratch."""
+    cache = model.new_cache(1, len(prompt) + 16)
+    model.prefill(cache, [prompt])
+    tree, parents = [11, 12, 13, 14, 15, 16, 17], [-1, 0, 0, 1, 1, 3, 2]
+    out = model.verify(cache, [tree], [parents])
+    for node in range(len(tree)):
+        path, j = [], node
+        while j >= 0:
+            path.insert(0, tree[j])
+            j = parents[j]
+        assert_close(out.logits[0, node], hf_last(hf, prompt + path))
+    model.commit(cache, [[0, 1, 3, 5]])
+    assert_close(model.decode(cache, [40]).logits[0], hf_last(hf, prompt + [11, 12, 14, 16, 40]))
+
+
+def check_unequal_batch(model, prompts: list[list[int]]) -> None:
+    """A batch of unequal prompts gives each request's logits alone."""
+    cache = model.new_cache(len(prompts), 32)
+    batch = model.prefill(cache, prompts).logits
+    for b, p in enumerate(prompts):
+        assert_close(batch[b], model.prefill(model.new_cache(1, 32), [p]).logits[0])
+
+
+def check_greedy_speculation(target, prompts: list[list[int]], budget: int) -> None:
+    """Greedy eagle3 and eagle3+budget (a budget that cannot bind) with a random head == greedy ar."""
+    from moespec import LLM, SamplingParams, SpeculativeConfig
+    from moespec.spec.train import new_head
+
+    head = new_head(target.config, target.weights.embed, None, seed=0)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(target).generate(prompts, params)]
+    for config in (SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6),
+                   SpeculativeConfig("eagle3+budget", depth=3, top_k=3, total_tokens=6, budget=budget)):
+        llm = LLM(target, draft=head, speculative_config=config, max_batch_size=2)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, config.policy

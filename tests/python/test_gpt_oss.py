@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from models_fixtures import FP32_TOL, ancestor_mask, assert_close, depths
-from moespec import LLM, SamplingParams, SpeculativeConfig
+from models_fixtures import (
+    FP32_TOL, assert_close, check_greedy_speculation, check_tree_equals_paths, check_unequal_batch, hf_last,
+)
 from moespec.models import load
 from moespec.models.weights import dequantize_mxfp4
 from moespec.ops import ExpertBudget, RouterSpec
@@ -62,11 +63,6 @@ def folder(tmp_path_factory):
     return write(tmp_path_factory.mktemp("gpt_oss") / "gpt_oss")
 
 
-@torch.no_grad()
-def hf_last(hf, seq) -> torch.Tensor:
-    return hf(torch.tensor([seq])).logits[0, -1]
-
-
 @pytest.mark.parametrize("dtype,tol", [("fp32", FP32_TOL), ("bf16", 3e-2)])
 def test_prefill_and_decode_equal_transformers(folder, dtype, tol):
     model = load(folder, dtype, taps=(1,))
@@ -89,33 +85,12 @@ def test_prefill_and_decode_equal_transformers(folder, dtype, tol):
 
 
 def test_tree_verify_equals_path_decoding_and_commit(folder):
-    """Each node's logits equal transformers' on the prompt plus its root-to-node path (positions by
-    depth, the window counted in positions); after commit, decoding continues as from scratch."""
-    model, hf = load(folder, "fp32"), reference(folder)
-    cache = model.new_cache(1, 32)
-    model.prefill(cache, [PROMPT])
-    tree, parents = [11, 12, 13, 14, 15, 16, 17], [-1, 0, 0, 1, 1, 3, 2]
-    out = model.verify(cache, [tree], [parents])
-    for node in range(len(tree)):
-        path, j = [], node
-        while j >= 0:
-            path.insert(0, tree[j])
-            j = parents[j]
-        assert_close(out.logits[0, node], hf_last(hf, PROMPT + path))
-    model.commit(cache, [[0, 1, 3, 5]])
-    seq = PROMPT + [11, 12, 14, 16]
-    assert_close(model.decode(cache, [40]).logits[0], hf_last(hf, seq + [40]))
-    assert ancestor_mask(parents).shape == (7, 7) and depths(parents)[5] == 3
+    """(positions by depth, the window counted in positions)"""
+    check_tree_equals_paths(load(folder, "fp32"), reference(folder), PROMPT)
 
 
 def test_unequal_batch_equals_each_request_alone(folder):
-    model = load(folder, "fp32")
-    prompts = [PROMPT, PROMPT[:6]]
-    cache = model.new_cache(2, 32)
-    batch = model.prefill(cache, prompts, logits="last").logits
-    for b, p in enumerate(prompts):
-        alone = model.new_cache(1, 32)
-        assert_close(batch[b], model.prefill(alone, [p]).logits[0])
+    check_unequal_batch(load(folder, "fp32"), [PROMPT, PROMPT[:6]])
 
 
 def test_budget_equals_the_reference_semantics(folder):
@@ -148,17 +123,7 @@ def test_budget_equals_the_reference_semantics(folder):
 
 
 def test_greedy_eagle3_equals_greedy_ar(folder):
-    from moespec.spec.train import new_head
-
-    target = load(folder, "fp32")
-    head = new_head(target.config, target.weights.embed, None, seed=0)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    prompts = [PROMPT, PROMPT[:7]]
-    want = [o.outputs[0].token_ids for o in LLM(target).generate(prompts, params)]
-    for config in (SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6),
-                   SpeculativeConfig("eagle3+budget", depth=3, top_k=3, total_tokens=6, budget=E)):
-        llm = LLM(target, draft=head, speculative_config=config, max_batch_size=2)
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    check_greedy_speculation(load(folder, "fp32"), [PROMPT, PROMPT[:7]], budget=E)
 
 
 # ---- MXFP4 ----------------------------------------------------------------------------------------

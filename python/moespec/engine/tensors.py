@@ -58,14 +58,24 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(c.num_layers):
         p = f"layers.{i}."
         shapes[p + "input_norm"] = (H,)
-        shapes[p + "qkv"] = ((Hq + 2 * Hkv) * D, H)
+        m = c.mla
+        if m is not None:  # DeepSeek-V3's latent attention
+            if m.q_lora_rank is not None:
+                shapes[p + "q_a"], shapes[p + "q_a_norm"] = (m.q_lora_rank, H), (m.q_lora_rank,)
+                shapes[p + "q"] = (Hq * m.qk_head_dim, m.q_lora_rank)
+            else:
+                shapes[p + "q"] = (Hq * m.qk_head_dim, H)
+            shapes[p + "kv_a"], shapes[p + "kv_a_norm"] = (m.kv_lora_rank + m.qk_rope_head_dim, H), (m.kv_lora_rank,)
+            shapes[p + "kv_b"] = (Hq * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        else:
+            shapes[p + "qkv"] = ((Hq + 2 * Hkv) * D, H)
         if c.attention_bias:
             shapes[p + "qkv_bias"] = ((Hq + 2 * Hkv) * D,)
         if c.qk_norm == "per_head":
             shapes[p + "q_norm"], shapes[p + "k_norm"] = (D,), (D,)
         elif c.qk_norm == "full":
             shapes[p + "q_norm"], shapes[p + "k_norm"] = (Hq * D,), (Hkv * D,)
-        shapes[p + "o"] = (H, Hq * D)
+        shapes[p + "o"] = (H, Hq * (m.v_head_dim if m is not None else D))
         if c.attention_bias:
             shapes[p + "o_bias"] = (H,)
         shapes[p + "post_norm"] = (H,)
@@ -78,9 +88,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             if c.moe.expert_biases:
                 shapes[p + "expert_biases"] = (c.moe.num_experts, 2 * c.moe.intermediate_size + H)
             Is = c.moe.shared_intermediate_size
-            if Is:  # the shared expert (Qwen2-MoE)
+            if Is:  # the shared expert (Qwen2-MoE: gated; DeepSeek-V3)
                 shapes[p + "shared_gate_up"], shapes[p + "shared_down"] = (2 * Is, H), (H, Is)
-                shapes[p + "shared_gate"] = (1, H)
+                if c.moe.shared_gated:
+                    shapes[p + "shared_gate"] = (1, H)
+            if c.moe.score_bias:
+                shapes[p + "score_bias"] = (c.moe.num_experts,)
         else:
             shapes[p + "gate_up"] = (2 * c.intermediate_size, H)
             shapes[p + "down"] = (H, c.intermediate_size)

@@ -109,6 +109,27 @@ class MoeConfig:
     router_bias: bool = False  # a bias on the router logits (GPT-OSS)
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    shared_gated: bool = True  # the shared expert's output scaled by sigmoid(shared_gate . x) (Qwen2-MoE)
+    router_fp32: bool = False  # router logits from float32 x and weights (DeepSeek-V3)
+    score_bias: bool = False  # deepseek_v3's e_score_correction_bias on the selection scores
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank projection,
+    keys and values from one compressed latent (cached with the rope key, not full keys and values).
+    The head dimension splits into a no-rope part and a rope part (D of the model is the rope part)."""
+
+    q_lora_rank: Optional[int]  # None: a full-rank q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rope dims come in interleaved pairs (DeepSeek's checkpoints)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -138,6 +159,7 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()  # layers with sliding-window attention (GPT-OSS's layer_types)
     attention_sinks: bool = False  # one learned logit per head in every softmax's denominator (GPT-OSS)
     norm_scale_fp32: bool = False  # RMSNorm scales in float32, then casts (GPT-OSS); else casts, then scales
+    mla: Optional[MlaConfig] = None  # multi-head latent attention instead of GQA (DeepSeek-V3)
 
     def window(self, layer: int) -> int:
         """The sliding window of ``layer``: W, or 0 for full attention."""

@@ -58,9 +58,11 @@ def experts_reference(x: torch.Tensor, routing: Routing, layer: LayerWeights, mo
 
 
 def shared_expert(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    """sigmoid(shared_gate . x) * down(silu(gate x) * up x), as transformers' Qwen2-MoE computes it; [P, H]."""
+    """down(silu(gate x) * up x), scaled by sigmoid(shared_gate . x) where the layer has that gate
+    (Qwen2-MoE; DeepSeek-V3's shared experts have none), as transformers computes it; [P, H]."""
     gate, up = F.linear(x, layer.shared_gate_up).chunk(2, dim=-1)  # [P, Is] each
-    return torch.sigmoid(F.linear(x, layer.shared_gate)) * F.linear(F.silu(gate) * up, layer.shared_down)
+    out = F.linear(F.silu(gate) * up, layer.shared_down)
+    return out if layer.shared_gate is None else torch.sigmoid(F.linear(x, layer.shared_gate)) * out
 
 
 def _kernel_runs_on(device: torch.device) -> bool:
@@ -79,10 +81,14 @@ def moe_forward(
     """Routes the P tokens of ``x`` [P, H] (together: the budget is per layer per batch) and runs the
     experts. Returns the feed-forward output [P, H] and the routing stats int32 [4]. ``trace``: a
     list the natural (unbudgeted) routing is appended to (moespec.models.trace)."""
-    logits = F.linear(x, layer.router, layer.router_bias)  # [P, E], in the model dtype as transformers computes it
-    routing = route_experts(logits, moe.router, budget)
+    if moe.router_fp32:  # DeepSeek-V3: float32 x and weights
+        logits = F.linear(x.float(), layer.router.float())
+    else:  # [P, E], in the model dtype as transformers computes it
+        logits = F.linear(x, layer.router, layer.router_bias)
+    bias = layer.score_bias.float() if layer.score_bias is not None else None
+    routing = route_experts(logits, moe.router, budget, bias)
     if trace is not None:
-        trace.append(routing if budget is None else route_experts(logits, moe.router, None))
+        trace.append(routing if budget is None else route_experts(logits, moe.router, None, bias))
     if impl == "reference" or not _kernel_runs_on(x.device):
         out = experts_reference(x, routing, layer, moe)
     else:

@@ -108,13 +108,17 @@ class TargetModel:
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """A KV cache for ``batch`` requests of up to ``max_len`` tokens each (prompt, output and one
-        verify tree), allocated once: k and v are [L, batch, Hkv, max_len, D] in the model dtype."""
+        verify tree), allocated once: k and v are [L, batch, Hkv, max_len, D] in the model dtype (MLA:
+        the latent [L, batch, 1, max_len, kv_lora_rank] and the rope key [L, batch, 1, max_len, rope])."""
         if batch < 1 or max_len < 1:
             raise ValueError(f"new_cache: batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
+        from moespec.runtime.attention import cache_shapes
+
         c = self.config
-        shape = (c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim)
-        return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(shape, dtype=self.dtype, device=self.device), [0] * batch)
+        (hk, dk), (hv, dv) = cache_shapes(c)  # the attention block's layout (MLA: latent and rope key)
+        return KVCache(torch.zeros(c.num_layers, batch, hk, max_len, dk, dtype=self.dtype, device=self.device),
+                       torch.zeros(c.num_layers, batch, hv, max_len, dv, dtype=self.dtype, device=self.device),
+                       [0] * batch)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, prompts: Sequence[Sequence[int]], *,

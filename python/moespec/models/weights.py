@@ -32,7 +32,7 @@ from moespec.models.families.base import TensorNames
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv: Optional[torch.Tensor]  # [(Hq + 2 Hkv) D, H] (None: MLA)
     qkv_bias: Optional[torch.Tensor]  # [(Hq + 2 Hkv) D]
     q_norm: Optional[torch.Tensor]  # [D] (per_head) or [Hq D] (full)
     k_norm: Optional[torch.Tensor]  # [D] (per_head) or [Hkv D] (full)
@@ -49,6 +49,15 @@ class LayerWeights:
     sinks: Optional[torch.Tensor] = None  # [Hq]: attention sink logits (GPT-OSS)
     router_bias: Optional[torch.Tensor] = None  # [E] (GPT-OSS)
     expert_biases: Optional[torch.Tensor] = None  # [E, 2 I + H]: each expert's gate, up and down biases (GPT-OSS)
+    score_bias: Optional[torch.Tensor] = None  # [E]: DeepSeek-V3's e_score_correction_bias
+    # MLA (DeepSeek-V3): q_a [Rq, H] + q_a_norm [Rq] + q [Hq (nope + rope), Rq] (or q [Hq (nope + rope), H]
+    # without a q rank), kv_a [R + rope, H], kv_a_norm [R], kv_b [Hq (nope + v), R]; o is [H, Hq v]
+    q_a: Optional[torch.Tensor] = None
+    q_a_norm: Optional[torch.Tensor] = None
+    q: Optional[torch.Tensor] = None
+    kv_a: Optional[torch.Tensor] = None
+    kv_a_norm: Optional[torch.Tensor] = None
+    kv_b: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         # A one-row F.linear takes a GEMV path whose summation order depends on the weight's address
@@ -184,6 +193,49 @@ def _experts(read: _Reader, ckpt: Checkpoint, names: TensorNames, prefix: str, E
     return out
 
 
+def _gqa_layer(read: _Reader, cfg: ModelConfig, names: TensorNames, i: int) -> LayerWeights:
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    attn = names.attn.format(i=i)
+    q = read(attn + "q_proj.weight", (Hq * D, H))
+    k = read(attn + "k_proj.weight", (Hkv * D, H))
+    v = read(attn + "v_proj.weight", (Hkv * D, H))
+    bias = None
+    if cfg.attention_bias:
+        bias = torch.cat([read(attn + f"{p}_proj.bias", (n * D,)) for p, n in (("q", Hq), ("k", Hkv), ("v", Hkv))])
+    q_norm = k_norm = None
+    if cfg.qk_norm == "per_head":
+        q_norm, k_norm = read(names.q_norm.format(i=i), (D,)), read(names.k_norm.format(i=i), (D,))
+    elif cfg.qk_norm == "full":
+        q_norm, k_norm = read(names.q_norm.format(i=i), (Hq * D,)), read(names.k_norm.format(i=i), (Hkv * D,))
+    return LayerWeights(
+        input_norm=read(names.input_norm.format(i=i), (H,)), qkv=torch.cat([q, k, v]), qkv_bias=bias,
+        q_norm=q_norm, k_norm=k_norm, o=read(attn + "o_proj.weight", (H, Hq * D)),
+        o_bias=read(attn + "o_proj.bias", (H,)) if cfg.attention_bias else None,
+        post_norm=read(names.post_norm.format(i=i), (H,)))
+
+
+def _mla_layer(read: _Reader, cfg: ModelConfig, names: TensorNames, i: int) -> LayerWeights:
+    """DeepSeek-V3's attention tensors (q_a_proj, q_a_layernorm, q_b_proj or q_proj, kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj, o_proj)."""
+    m, H, Hq = cfg.mla, cfg.hidden_size, cfg.num_heads
+    if cfg.attention_bias:
+        raise ValueError(f"{read.ckpt.folder}: MLA with attention_bias is not supported")
+    attn = names.attn.format(i=i)
+    layer = LayerWeights(input_norm=read(names.input_norm.format(i=i), (H,)), qkv=None, qkv_bias=None, q_norm=None,
+                         k_norm=None, o=read(attn + "o_proj.weight", (H, Hq * m.v_head_dim)), o_bias=None,
+                         post_norm=read(names.post_norm.format(i=i), (H,)))
+    if m.q_lora_rank is not None:
+        layer.q_a = read(attn + "q_a_proj.weight", (m.q_lora_rank, H))
+        layer.q_a_norm = read(attn + "q_a_layernorm.weight", (m.q_lora_rank,))
+        layer.q = read(attn + "q_b_proj.weight", (Hq * m.qk_head_dim, m.q_lora_rank))
+    else:
+        layer.q = read(attn + "q_proj.weight", (Hq * m.qk_head_dim, H))
+    layer.kv_a = read(attn + "kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, H))
+    layer.kv_a_norm = read(attn + "kv_a_layernorm.weight", (m.kv_lora_rank,))
+    layer.kv_b = read(attn + "kv_b_proj.weight", (Hq * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
+    return layer
+
+
 def load_weights(ckpt: Checkpoint, cfg: ModelConfig, names: TensorNames, dtype: torch.dtype,
                  progress: bool = False) -> ModelWeights:
     """Reads and converts every tensor the runtime needs (shape-checked) into its layout."""
@@ -192,27 +244,7 @@ def load_weights(ckpt: Checkpoint, cfg: ModelConfig, names: TensorNames, dtype: 
     layers = []
     for i in tqdm(range(cfg.num_layers), desc="loading layers", disable=not progress, leave=False):
         attn = names.attn.format(i=i)
-        q = read(attn + "q_proj.weight", (Hq * D, H))
-        k = read(attn + "k_proj.weight", (Hkv * D, H))
-        v = read(attn + "v_proj.weight", (Hkv * D, H))
-        bias = None
-        if cfg.attention_bias:
-            bias = torch.cat([read(attn + f"{p}_proj.bias", (n * D,)) for p, n in (("q", Hq), ("k", Hkv), ("v", Hkv))])
-        q_norm = k_norm = None
-        if cfg.qk_norm == "per_head":
-            q_norm, k_norm = read(names.q_norm.format(i=i), (D,)), read(names.k_norm.format(i=i), (D,))
-        elif cfg.qk_norm == "full":
-            q_norm, k_norm = read(names.q_norm.format(i=i), (Hq * D,)), read(names.k_norm.format(i=i), (Hkv * D,))
-        layer = LayerWeights(
-            input_norm=read(names.input_norm.format(i=i), (H,)),
-            qkv=torch.cat([q, k, v]),
-            qkv_bias=bias,
-            q_norm=q_norm,
-            k_norm=k_norm,
-            o=read(attn + "o_proj.weight", (H, Hq * D)),
-            o_bias=read(attn + "o_proj.bias", (H,)) if cfg.attention_bias else None,
-            post_norm=read(names.post_norm.format(i=i), (H,)),
-        )
+        layer = _mla_layer(read, cfg, names, i) if cfg.mla is not None else _gqa_layer(read, cfg, names, i)
         if cfg.attention_sinks:
             layer.sinks = read(attn + "sinks", (Hq,))
         if cfg.is_moe_layer(i):
@@ -221,17 +253,20 @@ def load_weights(ckpt: Checkpoint, cfg: ModelConfig, names: TensorNames, dtype: 
             layer.router = read(moe + names.router, (E, H))
             if cfg.moe.router_bias:
                 layer.router_bias = read(moe + names.router.replace("weight", "bias"), (E,))
+            if cfg.moe.score_bias:  # (in the model dtype, as every engine tensor; the routing adds it in float32)
+                layer.score_bias = read(moe + names.router.replace("weight", "e_score_correction_bias"), (E,))
             if cfg.moe.activation == "gpt_oss":
                 layer.experts, layer.expert_biases = _gpt_oss_experts(read, ckpt, moe + "experts.", E, I, H)
             else:
                 layer.experts = _experts(read, ckpt, names, moe, E, I, H)
             Is = cfg.moe.shared_intermediate_size
-            if Is:  # Qwen2-MoE's names (the one family with a shared expert so far)
-                shared = moe + "shared_expert."
+            if Is:  # Qwen2-MoE (gated) and DeepSeek-V3 (not): the family names the shared expert
+                shared = moe + names.shared_expert
                 layer.shared_gate_up = torch.cat([read(shared + "gate_proj.weight", (Is, H)),
                                                   read(shared + "up_proj.weight", (Is, H))])
                 layer.shared_down = read(shared + "down_proj.weight", (H, Is))
-                layer.shared_gate = read(moe + "shared_expert_gate.weight", (1, H)).clone()  # see __post_init__
+                if cfg.moe.shared_gated:
+                    layer.shared_gate = read(moe + "shared_expert_gate.weight", (1, H)).clone()  # see __post_init__
         else:
             mlp, I = names.mlp.format(i=i), cfg.intermediate_size
             layer.gate_up = torch.cat([read(mlp + "gate_proj.weight", (I, H)), read(mlp + "up_proj.weight", (I, H))])

@@ -39,6 +39,7 @@ from moespec.models.cache import KVCache
 from moespec.models.moe import moe_forward
 from moespec.ops import ExpertBudget, RoutingStats
 from moespec.ops.routing import _FAMILY_CODES, budget_codes, softmax_vector_width
+from moespec.runtime.attention import attention, rms_norm, rotate  # noqa: F401 (re-exported)
 from moespec.runtime.state import RopeTable, StepGeometry, step_geometry
 
 if TYPE_CHECKING:
@@ -62,19 +63,6 @@ class ForwardOutput:
 
     def expert_stats_by_layer(self) -> list[RoutingStats]:
         return [RoutingStats(*row) for row in self.expert_stats.tolist()]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fp32: bool = False) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in fp32, cast back, then scale (``scale_fp32``: scale in fp32,
-    then cast, as GPT-OSS does)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype) if scale_fp32 else weight * h.to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def make_backend(model: "TargetModel", name: Optional[str] = None):
@@ -178,7 +166,8 @@ class ReferenceBackend:
         tapped, stats = {}, []
         trace: Optional[list] = [] if model.observer is not None and c.moe is not None else None
         for i, layer in enumerate(w.layers):
-            x = x + self._attention(i, layer, norm(x, layer.input_norm), cos, sin, masks[c.window(i)], cache, batch, S)
+            x = x + attention(c, i, layer, norm(x, layer.input_norm), cos, sin, masks[c.window(i)], cache, batch.rows,
+                              batch.cols, batch.slots, S)
             h = norm(x, layer.post_norm)
             if c.is_moe_layer(i):
                 y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, budget,  # valid tokens only
@@ -205,47 +194,6 @@ class ReferenceBackend:
         return ForwardOutput(logits=logits, hidden=tuple(tapped[t] for t in model.taps), expert_stats=expert_stats,
                              num_tokens=list(batch.num), routing=routing)
 
-    def _attention(self, index: int, layer, h: torch.Tensor, cos, sin, mask, cache: KVCache, batch: _Batch,
-                   S: int) -> torch.Tensor:
-        c = self.model.config
-        B, T, _ = h.shape
-        D, Hq, Hkv = c.head_dim, c.num_heads, c.num_kv_heads
-        q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        if c.qk_norm == "full":
-            q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        if c.clip_qkv is not None:
-            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        q, k, v = q.view(B, T, Hq, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
-        if c.qk_norm == "per_head":
-            q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q = rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        k_cache, v_cache = cache.k[index], cache.v[index]  # [B, Hkv, S_max, D]
-        k_cache[batch.rows, :, batch.slots] = k[batch.rows, :, batch.cols]
-        v_cache[batch.rows, :, batch.slots] = v.transpose(1, 2)[batch.rows, :, batch.cols]
-        if layer.sinks is None:
-            o = F.scaled_dot_product_attention(q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask,
-                                               scale=D**-0.5, enable_gqa=Hq != Hkv)  # [B, Hq, T, D]
-        else:
-            o = _attention_with_sinks(q, k_cache[:, :, :S], v_cache[:, :, :S], mask, layer.sinks, D**-0.5)
-        return F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), layer.o, layer.o_bias)
-
-
-def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-    """Attention whose softmax has one more logit per head, the learned sink, in its denominator (GPT-OSS,
-    as transformers' eager attention computes it): q [B, Hq, T, D], k, v [B, Hkv, S, D], mask bool
-    [B, 1, T, S], sinks [Hq]; [B, Hq, T, D]."""
-    B, Hq, T, _ = q.shape
-    groups = Hq // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, Hq, T, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(B, Hq, T, 1).to(scores.dtype)], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
-
 
 # ---- native -------------------------------------------------------------------------------------
 
@@ -268,7 +216,7 @@ class NativeBackend:
                 and model.moe_impl == "kernel" and (moe is None or (moe.router.family == "softmax"
                                                                     and moe.activation == "swiglu"))
                 and not c.sliding_layers and not c.attention_sinks and not c.norm_scale_fp32
-                and c.rope.kind != "yarn")
+                and c.rope.kind != "yarn" and c.mla is None)
 
     def __init__(self, model: "TargetModel", reference: ReferenceBackend):
         self.model, self.reference = model, reference

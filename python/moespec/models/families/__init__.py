@@ -8,11 +8,11 @@ and one line in ``_FAMILIES``.
 
 from __future__ import annotations
 
-from moespec.models.families import gpt_oss, llama, mixtral, olmoe, qwen2_moe, qwen3_moe
+from moespec.models.families import deepseek_v3, gpt_oss, llama, mixtral, olmoe, qwen2_moe, qwen3_moe
 from moespec.models.families.base import Family, TensorNames
 
 _FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY,
-                                gpt_oss.FAMILY)
+                                gpt_oss.FAMILY, deepseek_v3.FAMILY)
 BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in _FAMILIES for arch in f.architectures}
 
 

@@ -1,0 +1,131 @@
+"""The attention blocks of the reference forward, chosen by the config: GQA (Llama, Qwen, Mixtral,
+OLMoE, GPT-OSS: q/k/v projections, optional q/k norms, clip and sinks) and multi-head latent
+attention (DeepSeek-V3). Each owns its cache layout (:func:`cache_shapes`): GQA caches keys and
+values [Hkv, S, D]; MLA caches the compressed latent [1, S, kv_lora_rank] and the rope key
+[1, S, qk_rope_head_dim] (in KVCache's k and v), and expands keys and values from the latent on
+every call, as transformers does.
+
+A block writes the new tokens' entries at their cache slots (``rows``, ``cols`` -> ``slots``: the
+valid tokens of the padded batch) and attends over the first S slots with ``mask`` [B, 1, T, S].
+Dimensions: B requests, T new tokens, S slots, H hidden, Hq/Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from moespec.models.cache import KVCache
+from moespec.models.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fp32: bool = False) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32, cast back, then scale (``scale_fp32``: scale in fp32,
+    then cast, as GPT-OSS does)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype) if scale_fp32 else weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope over interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek), output de-interleaved as
+    transformers' apply_rotary_pos_emb_interleave returns it."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def cache_shapes(c: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(heads, width) of the k and v caches of one layer: [Hkv, D] twice for GQA; for MLA the latent
+    [1, kv_lora_rank] and the rope key [1, qk_rope_head_dim]."""
+    if c.mla is not None:
+        return (1, c.mla.kv_lora_rank), (1, c.mla.qk_rope_head_dim)
+    return (c.num_kv_heads, c.head_dim), (c.num_kv_heads, c.head_dim)
+
+
+def attention(c: ModelConfig, index: int, layer, h: torch.Tensor, cos, sin, mask, cache: KVCache, rows, cols, slots,
+              S: int) -> torch.Tensor:
+    """Layer ``index``'s attention of ``h`` [B, T, H] (normed) -> [B, T, H]."""
+    return (_mla if c.mla is not None else _gqa)(c, index, layer, h, cos, sin, mask, cache, rows, cols, slots, S)
+
+
+def _gqa(c: ModelConfig, index: int, layer, h, cos, sin, mask, cache: KVCache, rows, cols, slots, S: int):
+    B, T, _ = h.shape
+    D, Hq, Hkv = c.head_dim, c.num_heads, c.num_kv_heads
+    q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    if c.qk_norm == "full":
+        q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
+    if c.clip_qkv is not None:
+        q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+    q, k, v = q.view(B, T, Hq, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+    if c.qk_norm == "per_head":
+        q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
+    q = rotate(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+    k = rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+    k_cache, v_cache = cache.k[index], cache.v[index]  # [B, Hkv, S_max, D]
+    k_cache[rows, :, slots] = k[rows, :, cols]
+    v_cache[rows, :, slots] = v.transpose(1, 2)[rows, :, cols]
+    if layer.sinks is None:
+        o = F.scaled_dot_product_attention(q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask,
+                                           scale=D**-0.5, enable_gqa=Hq != Hkv)  # [B, Hq, T, D]
+    else:
+        o = attention_with_sinks(q, k_cache[:, :, :S], v_cache[:, :, :S], mask, layer.sinks, D**-0.5)
+    return F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), layer.o, layer.o_bias)
+
+
+def mla_scale(c: ModelConfig) -> float:
+    """The softmax scale of MLA: qk_head_dim^-1/2, times mscale^2 under yarn with mscale_all_dim
+    (transformers' yarn_apply_mscale)."""
+    scale = c.mla.qk_head_dim ** -0.5
+    if c.rope.kind == "yarn" and c.rope.mscale_all_dim and c.rope.factor > 1:
+        m = 0.1 * c.rope.mscale_all_dim * math.log(c.rope.factor) + 1.0
+        scale = scale * m * m
+    return scale
+
+
+def _mla(c: ModelConfig, index: int, layer, h, cos, sin, mask, cache: KVCache, rows, cols, slots, S: int):
+    m = c.mla
+    B, T, _ = h.shape
+    Hq, R, nope, rope, vd = c.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    if layer.q_a is not None:
+        q = F.linear(rms_norm(F.linear(h, layer.q_a), layer.q_a_norm, c.rms_norm_eps), layer.q)
+    else:
+        q = F.linear(h, layer.q)
+    q_pass, q_rot = q.view(B, T, Hq, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)  # [B, Hq, T, *]
+    latent, k_rot = F.linear(h, layer.kv_a).split([R, rope], dim=-1)
+    latent = rms_norm(latent, layer.kv_a_norm, c.rms_norm_eps)  # [B, T, R]
+    turn = rotate_interleaved if m.rope_interleave else rotate
+    q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot[:, None], cos, sin)  # [B, Hq, T, rope], [B, 1, T, rope]
+    lat_cache, rot_cache = cache.k[index], cache.v[index]  # [B, 1, S_max, R], [B, 1, S_max, rope]
+    lat_cache[rows, :, slots] = latent[:, None][rows, :, cols]
+    rot_cache[rows, :, slots] = k_rot[rows, :, cols]
+    kv = F.linear(lat_cache[:, 0, :S], layer.kv_b).view(B, S, Hq, nope + vd).transpose(1, 2)  # [B, Hq, S, *]
+    k_nope, v = kv.split([nope, vd], dim=-1)
+    k = torch.cat([k_nope, rot_cache[:, :, :S].expand(B, Hq, S, rope)], dim=-1)
+    o = F.scaled_dot_product_attention(torch.cat([q_pass, q_rot], dim=-1), k, v, attn_mask=mask,
+                                       scale=mla_scale(c))  # [B, Hq, T, vd]
+    return F.linear(o.transpose(1, 2).reshape(B, T, Hq * vd), layer.o, layer.o_bias)
+
+
+def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, the learned sink, in its denominator (GPT-OSS,
+    as transformers' eager attention computes it): q [B, Hq, T, D], k, v [B, Hkv, S, D], mask bool
+    [B, 1, T, S], sinks [Hq]; [B, Hq, T, D]."""
+    B, Hq, T, _ = q.shape
+    groups = Hq // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, Hq, T, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(B, Hq, T, 1).to(scores.dtype)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

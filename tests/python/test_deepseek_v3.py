@@ -1,0 +1,135 @@
+"""DeepSeek-V3 (moespec.models.families.deepseek_v3) against transformers' own DeepseekV3ForCausalLM: tiny
+random checkpoints written by transformers (one dense layer then MoE layers with a shared expert, 16
+experts in 4 groups with 2 kept, a random correction bias, MLA with and without the q rank,
+interleaved rope, YaRN with mscale), eager attention and experts as the reference. fp32 logits
+within 1e-4 of the logit scale; the cache holds the latent and the rope key only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from models_fixtures import (
+    FP32_TOL, assert_close, check_greedy_speculation, check_tree_equals_paths, check_unequal_batch, hf_last,
+)
+from moespec.models import load
+from moespec.ops import ExpertBudget, RouterSpec
+from moespec.ops.reference import route_experts_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+E, K, R, ROPE = 16, 4, 32, 8
+PROMPT = [3, 17, 99, 5, 42, 8, 77, 12, 9, 33]
+
+
+def write(folder, q_lora_rank, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=E,
+                  routed_scaling_factor=2.5, kv_lora_rank=R, q_lora_rank=q_lora_rank, qk_rope_head_dim=ROPE,
+                  v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=K,
+                  first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=64, initializer_range=0.1,
+                  rope_interleave=True, eos_token_id=2,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+                                   "mscale_all_dim": 0.8})
+    kwargs.update(overrides)
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**kwargs))
+    with torch.no_grad():  # (transformers initialises the router and its bias to zeros)
+        for layer in hf.model.layers[kwargs["first_k_dense_replace"]:]:
+            layer.mlp.gate.weight.normal_(0.0, 0.3)
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    hf.save_pretrained(folder)
+    return folder
+
+
+def reference(folder):
+    return DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager",
+                                                 attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module", params=[24, None], ids=["q_lora", "q_proj"])
+def folder(request, tmp_path_factory):
+    return write(tmp_path_factory.mktemp("deepseek_v3") / "m", request.param)
+
+
+def test_prefill_and_decode_equal_transformers(folder):
+    model, hf = load(folder, "fp32", taps=(1,)), reference(folder)
+    c = model.config
+    assert c.mla is not None and c.moe.layers == (1, 2) and c.moe.router.family == "deepseek_v3"
+    assert c.rope.attention_scaling != 1.0  # mscale != mscale_all_dim: the cos/sin scale is exercised
+    cache = model.new_cache(1, 32)
+    assert cache.k.shape[2:] == (1, 32, R) and cache.v.shape[2:] == (1, 32, ROPE)  # latent + rope key only
+    out = model.prefill(cache, [PROMPT], logits="all")
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT]), output_hidden_states=True)
+    assert_close(out.logits[0], want.logits[0])
+    assert_close(out.hidden[0][0], want.hidden_states[2][0])
+    seq, token = list(PROMPT), int(out.logits[0, -1].argmax())
+    for _ in range(8):
+        seq.append(token)
+        got = model.decode(cache, [token]).logits[0]
+        assert_close(got, hf_last(hf, seq), FP32_TOL)
+        token = int(got.argmax())
+
+
+def test_tree_verify_equals_path_decoding_and_commit(folder):
+    check_tree_equals_paths(load(folder, "fp32"), reference(folder), PROMPT)
+
+
+def test_unequal_batch_equals_each_request_alone(folder):
+    check_unequal_batch(load(folder, "fp32"), [PROMPT, PROMPT[:6]])
+
+
+def test_budget_equals_the_reference_semantics(folder):
+    """A budgeted verify chain against transformers whose MoE blocks route with the plain-torch budget
+    reference (group-limited selection, correction bias, scaling), the shared expert unbudgeted."""
+    model, hf = load(folder, "fp32"), reference(folder)
+    budget = ExpertBudget(6)
+    spec = RouterSpec("deepseek_v3", K, renormalize=True, n_group=4, topk_group=2, scaling=2.5)
+    record = []
+    for layer in hf.model.layers[1:]:
+        mlp = layer.mlp
+
+        def forward(hidden_states, mlp=mlp):
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            logits = torch.nn.functional.linear(x.float(), mlp.gate.weight.float())
+            ids, weights, _, stats = route_experts_reference(logits, spec, budget, bias=mlp.gate.e_score_correction_bias)
+            record.append(stats)
+            out = mlp.experts(x, ids.long(), weights) + mlp.shared_experts(x)
+            return out.reshape(hidden_states.shape)
+
+        mlp.forward = forward
+    chain = PROMPT[:8]
+    out = model.verify(model.new_cache(1, 16), [chain], [[-1] + list(range(7))], budget=budget)
+    with torch.no_grad():
+        want = hf(torch.tensor([chain])).logits[0]
+    assert_close(out.logits[0], want)
+    assert [(s.natural_unique, s.kept, s.rerouted) for s in record] == [tuple(r[:3]) for r in out.expert_stats.tolist()]
+    assert all(s.kept <= 6 for s in record) and any(s.natural_unique > 6 for s in record)
+
+
+def test_greedy_eagle3_equals_greedy_ar(folder):
+    check_greedy_speculation(load(folder, "fp32"), [PROMPT, PROMPT[:7]], budget=E)
+
+
+def test_engine_round_trip_and_bad_checkpoints(folder, tmp_path):
+    from moespec.engine import build_engine, load_engine
+
+    build_engine(folder, tmp_path / "engine", dtype="fp32", progress=False)
+    engine, _ = load_engine(tmp_path / "engine")
+    model = load(folder, "fp32")
+    a, b = (m.prefill(m.new_cache(1, 16), [PROMPT]).logits for m in (engine, model))
+    assert_close(a, b)  # (a memory-mapped weight may take another GEMV summation order)
+    raw = json.loads((folder / "config.json").read_text())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").symlink_to(folder / "model.safetensors")
+    (broken / "config.json").write_text(json.dumps({**raw, "kv_lora_rank": R + 8}))  # the tensors disagree
+    with pytest.raises(ValueError, match="kv_a_proj_with_mqa"):
+        load(broken, "fp32")
+    (broken / "config.json").write_text(json.dumps({**raw, "n_group": 5}))
+    with pytest.raises(ValueError, match="n_group"):
+        load(broken, "fp32")
