@@ -133,3 +133,16 @@ def test_engine_round_trip_and_bad_checkpoints(folder, tmp_path):
     (broken / "config.json").write_text(json.dumps({**raw, "n_group": 5}))
     with pytest.raises(ValueError, match="n_group"):
         load(broken, "fp32")
+
+
+def test_cost_catalogue_counts_the_parsed_config(folder):
+    """The cost model's shape of the parsed config (MoeShape.from_config) counts exactly transformers'
+    parameters (plus the correction-bias buffers the catalogue counts as router biases)."""
+    from moespec.cost.shapes import MoeShape
+    from moespec.models import read_config
+
+    hf = reference(folder)
+    shape = MoeShape.from_config(read_config(folder))
+    assert shape.attention_type == "mla" and shape.dense_layers == 1
+    biases = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert shape.total_params == sum(p.numel() for p in hf.parameters()) + biases

@@ -205,3 +205,13 @@ def test_engine_folder_round_trip(folder, tmp_path):
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="attention sinks, sliding-window layers"):
         export_verify(model.config, model.weights)
+
+
+def test_cost_catalogue_counts_the_parsed_config(folder):
+    """MoeShape.from_config of the parsed config counts exactly transformers' parameters."""
+    from moespec.cost.shapes import MoeShape
+    from moespec.models import read_config
+
+    shape = MoeShape.from_config(read_config(folder))
+    assert shape.sliding_layers == 2 and shape.attention_sinks and shape.expert_bias
+    assert shape.total_params == sum(p.numel() for p in reference(folder).parameters())

@@ -152,6 +152,32 @@ class MoeShape:
 
     # ---- structure ---------------------------------------------------------------------------
 
+    @classmethod
+    def from_config(cls, config, name: str = "", hf_id: str = "") -> "MoeShape":
+        """The shape of a parsed :class:`moespec.models.config.ModelConfig` (the runtime's one config
+        parser: every family it loads, an engine's manifest included). MoE layers must be the last
+        ones (as in every family here: DeepSeek's dense layers come first)."""
+        c, moe, mla = config, config.moe, config.mla
+        if moe is None:
+            raise ValueError(f"{c.architecture}: a dense model has no MoE shape")
+        dense = c.num_layers - len(moe.layers)
+        if tuple(moe.layers) != tuple(range(dense, c.num_layers)):
+            raise ValueError(f"{c.architecture}: MoE layers {list(moe.layers)} are not the last ones")
+        return cls(
+            name=name or c.model_type, hf_id=hf_id, hidden=c.hidden_size, layers=c.num_layers, dense_layers=dense,
+            dense_intermediate=c.intermediate_size if dense else 0, num_experts=moe.num_experts, top_k=moe.top_k,
+            expert_intermediate=moe.intermediate_size, shared_intermediate=moe.shared_intermediate_size,
+            vocab=c.vocab_size, tied_embeddings=c.tie_word_embeddings, num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads, head_dim=mla.qk_head_dim if mla else c.head_dim,
+            expert_bias=moe.expert_biases, q_lora_rank=(mla.q_lora_rank or 0) if mla else 0,
+            kv_lora_rank=mla.kv_lora_rank if mla else 0, qk_rope_head_dim=mla.qk_rope_head_dim if mla else 0,
+            qk_nope_head_dim=mla.qk_nope_head_dim if mla else 0, v_head_dim=mla.v_head_dim if mla else 0,
+            sliding_window=c.sliding_window, sliding_layers=len(c.sliding_layers),
+            qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+            qk_norm={"none": "", "per_head": "head", "full": "full"}[c.qk_norm], attention_sinks=c.attention_sinks,
+            router_bias=moe.router_bias or moe.score_bias, shared_expert_gate=moe.shared_gated and bool(
+                moe.shared_intermediate_size))
+
     @property
     def moe_layers(self) -> int:
         """Layers whose feed-forward is the routed MoE block."""

@@ -183,9 +183,11 @@ def export_verify(config: ModelConfig, weights: ModelWeights, *, budget: Optiona
     if weights.device.type != "cpu":
         raise ValueError("onnx export: load the model on the CPU")
     unsupported = [what for what, present in (
+        ("multi-head latent attention", config.mla is not None),
         ("attention sinks", config.attention_sinks), ("sliding-window layers", bool(config.sliding_layers)),
         ("float32-scaled norms", config.norm_scale_fp32), ("yarn rope", config.rope.kind == "yarn"),
-        ("a router bias", config.moe is not None and config.moe.router_bias),
+        ("a router bias", config.moe is not None and (config.moe.router_bias or config.moe.score_bias)),
+        ("the deepseek_v3 router", config.moe is not None and config.moe.router.family != "softmax"),
         ("GPT-OSS experts", config.moe is not None and config.moe.activation != "swiglu")) if present]
     if unsupported:
         raise ValueError(f"onnx export: {config.architecture} uses {', '.join(unsupported)}, which the verify network "
