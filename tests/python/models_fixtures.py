@@ -7,6 +7,7 @@ of moespec's loader; the reference forward is transformers' model with
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -210,12 +211,21 @@ def check_unequal_batch(model, prompts: list[list[int]]) -> None:
         assert_close(batch[b], model.prefill(model.new_cache(1, 32), [p]).logits[0])
 
 
-def check_greedy_speculation(target, prompts: list[list[int]], budget: int) -> None:
-    """Greedy eagle3 and eagle3+budget (a budget that cannot bind) with a random head == greedy ar."""
+def check_greedy_speculation(target, prompts: list[list[int]], budget: int, folder: Path) -> None:
+    """Greedy eagle3 and eagle3+budget (a budget that cannot bind) with a random head == greedy ar; the
+    head goes through an official EAGLE-3 folder (``folder``: config.json with
+    eagle_aux_hidden_state_layer_ids + model.safetensors with a draft vocabulary mapping) and loads
+    back as heads for the other families do."""
     from moespec import LLM, SamplingParams, SpeculativeConfig
-    from moespec.spec.train import new_head
+    from moespec.spec.eagle3 import load_eagle3
+    from moespec.spec.train import _write_head, new_head
 
-    head = new_head(target.config, target.weights.embed, None, seed=0)
+    used = torch.arange(0, target.config.vocab_size, 2)  # a draft vocabulary: every other target id
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_head(new_head(target.config, target.weights.embed, used, seed=0), folder, {})
+    head = load_eagle3(folder, target)
+    assert head.config.draft_vocab_size < target.config.vocab_size and "eagle_aux_hidden_state_layer_ids" in \
+        json.loads((folder / "config.json").read_text()).get("eagle_config", {})
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(target).generate(prompts, params)]
     for config in (SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6),

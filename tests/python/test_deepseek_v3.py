@@ -111,8 +111,8 @@ def test_budget_equals_the_reference_semantics(folder):
     assert all(s.kept <= 6 for s in record) and any(s.natural_unique > 6 for s in record)
 
 
-def test_greedy_eagle3_equals_greedy_ar(folder):
-    check_greedy_speculation(load(folder, "fp32"), [PROMPT, PROMPT[:7]], budget=E)
+def test_greedy_eagle3_equals_greedy_ar(folder, tmp_path):
+    check_greedy_speculation(load(folder, "fp32"), [PROMPT, PROMPT[:7]], budget=E, folder=tmp_path / "head")
 
 
 def test_engine_round_trip_and_bad_checkpoints(folder, tmp_path):

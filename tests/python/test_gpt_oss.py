@@ -122,8 +122,8 @@ def test_budget_equals_the_reference_semantics(folder):
     assert all(s.kept <= 3 for s in record)
 
 
-def test_greedy_eagle3_equals_greedy_ar(folder):
-    check_greedy_speculation(load(folder, "fp32"), [PROMPT, PROMPT[:7]], budget=E)
+def test_greedy_eagle3_equals_greedy_ar(folder, tmp_path):
+    check_greedy_speculation(load(folder, "fp32"), [PROMPT, PROMPT[:7]], budget=E, folder=tmp_path / "head")
 
 
 # ---- MXFP4 ----------------------------------------------------------------------------------------
