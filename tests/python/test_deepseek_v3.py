@@ -13,7 +13,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from models_fixtures import (
-    FP32_TOL, assert_close, check_greedy_speculation, check_tree_equals_paths, check_unequal_batch, hf_last,
+    assert_close, check_greedy_speculation, check_prefill_and_decode, check_tree_equals_paths, check_unequal_batch,
 )
 from moespec.models import load
 from moespec.ops import ExpertBudget, RouterSpec
@@ -62,17 +62,7 @@ def test_prefill_and_decode_equal_transformers(folder):
     assert c.rope.attention_scaling != 1.0  # mscale != mscale_all_dim: the cos/sin scale is exercised
     cache = model.new_cache(1, 32)
     assert cache.k.shape[2:] == (1, 32, R) and cache.v.shape[2:] == (1, 32, ROPE)  # latent + rope key only
-    out = model.prefill(cache, [PROMPT], logits="all")
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPT]), output_hidden_states=True)
-    assert_close(out.logits[0], want.logits[0])
-    assert_close(out.hidden[0][0], want.hidden_states[2][0])
-    seq, token = list(PROMPT), int(out.logits[0, -1].argmax())
-    for _ in range(8):
-        seq.append(token)
-        got = model.decode(cache, [token]).logits[0]
-        assert_close(got, hf_last(hf, seq), FP32_TOL)
-        token = int(got.argmax())
+    check_prefill_and_decode(model, hf, PROMPT)
 
 
 def test_tree_verify_equals_path_decoding_and_commit(folder):

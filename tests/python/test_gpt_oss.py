@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from models_fixtures import (
-    FP32_TOL, assert_close, check_greedy_speculation, check_tree_equals_paths, check_unequal_batch, hf_last,
+    FP32_TOL, assert_close, check_greedy_speculation, check_prefill_and_decode, check_tree_equals_paths,
+    check_unequal_batch,
 )
 from moespec.models import load
 from moespec.models.weights import dequantize_mxfp4
@@ -70,18 +71,7 @@ def test_prefill_and_decode_equal_transformers(folder, dtype, tol):
     assert c.sliding_layers == (0, 2) and c.window(0) == WINDOW and c.window(1) == 0 and c.attention_sinks
     assert c.rope.kind == "yarn" and c.moe.router.family == "gpt_oss" and model.backend_name == "reference"
     hf = reference(folder, torch.float32 if dtype == "fp32" else torch.bfloat16)
-    cache = model.new_cache(1, 32)
-    out = model.prefill(cache, [PROMPT], logits="all")  # 10 tokens: the window of 4 binds
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPT]), output_hidden_states=True)
-    assert_close(out.logits[0], want.logits[0], tol)
-    assert_close(out.hidden[0][0], want.hidden_states[2][0], tol)
-    seq, token = list(PROMPT), int(out.logits[0, -1].argmax())
-    for _ in range(8):
-        seq.append(token)
-        got = model.decode(cache, [token]).logits[0]
-        assert_close(got, hf_last(hf, seq), tol)
-        token = int(got.argmax())
+    check_prefill_and_decode(model, hf, PROMPT, tol=tol)  # 10 tokens: the window of 4 binds
 
 
 def test_tree_verify_equals_path_decoding_and_commit(folder):
