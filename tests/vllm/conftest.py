@@ -1,0 +1,13 @@
+"""tests/vllm run in .venv-vllm (./build.sh test-vllm): vLLM's CPU build with moespec's plugin. They
+reuse tests/python's tiny checkpoints and skip cleanly where vLLM is not installed (the main .venv)."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))  # models_fixtures
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: tiny models
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip("vllm", reason="vLLM is not installed here (./build.sh test-vllm makes .venv-vllm)")
