@@ -232,3 +232,23 @@ def check_greedy_speculation(target, prompts: list[list[int]], budget: int, fold
                    SpeculativeConfig("eagle3+budget", depth=3, top_k=3, total_tokens=6, budget=budget)):
         llm = LLM(target, draft=head, speculative_config=config, max_batch_size=2)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, config.policy
+
+
+def check_trace(model, prompt: list[int]) -> None:
+    """A routing observer records prefill, decode and verify passes with the natural routing of every
+    MoE layer (ids inside [0, E), K per token)."""
+    from moespec.models.trace import RoutingObserver
+
+    obs = RoutingObserver()
+    model.observer = obs
+    try:
+        cache = model.new_cache(1, len(prompt) + 8)
+        model.prefill(cache, [prompt])
+        model.decode(cache, [7])
+        model.verify(cache, [[9, 10, 11]], [[-1, 0, 0]])
+    finally:
+        model.observer = None
+    moe = model.config.moe
+    trace = obs.trace(num_experts=moe.num_experts, top_k=moe.top_k, layers=moe.layers)
+    assert obs.num_passes == 3 and trace.ids.shape == (len(prompt) + 4, len(moe.layers), moe.top_k)
+    assert int(trace.ids.min()) >= 0 and int(trace.ids.max()) < moe.num_experts

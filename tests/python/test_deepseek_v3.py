@@ -13,7 +13,8 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from models_fixtures import (
-    assert_close, check_greedy_speculation, check_prefill_and_decode, check_tree_equals_paths, check_unequal_batch,
+    assert_close, check_greedy_speculation, check_prefill_and_decode, check_trace, check_tree_equals_paths,
+    check_unequal_batch,
 )
 from moespec.models import load
 from moespec.ops import ExpertBudget, RouterSpec
@@ -45,8 +46,8 @@ def write(folder, q_lora_rank, seed: int = 0, **overrides):
     return folder
 
 
-def reference(folder):
-    return DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager",
+def reference(folder, dtype=torch.float32):
+    return DeepseekV3ForCausalLM.from_pretrained(folder, dtype=dtype, experts_implementation="eager",
                                                  attn_implementation="eager").eval()
 
 
@@ -65,8 +66,18 @@ def test_prefill_and_decode_equal_transformers(folder):
     check_prefill_and_decode(model, hf, PROMPT)
 
 
+def test_bf16_prefill_and_decode_within_bf16_rounding(folder):
+    """bf16 within 3e-2 of the logit scale (transformers keeps the router and its bias in float32 where
+    moespec holds them in bf16, and sums the experts' matmuls in bf16)."""
+    check_prefill_and_decode(load(folder, "bf16", taps=(1,)), reference(folder, torch.bfloat16), PROMPT, tol=3e-2)
+
+
 def test_tree_verify_equals_path_decoding_and_commit(folder):
     check_tree_equals_paths(load(folder, "fp32"), reference(folder), PROMPT)
+
+
+def test_routing_traces(folder):
+    check_trace(load(folder, "fp32"), PROMPT)
 
 
 def test_unequal_batch_equals_each_request_alone(folder):
@@ -122,6 +133,15 @@ def test_engine_round_trip_and_bad_checkpoints(folder, tmp_path):
         load(broken, "fp32")
     (broken / "config.json").write_text(json.dumps({**raw, "n_group": 5}))
     with pytest.raises(ValueError, match="n_group"):
+        load(broken, "fp32")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.pop("model.layers.1.self_attn.kv_b_proj.weight")
+    (broken / "model.safetensors").unlink()
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    (broken / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="kv_b_proj"):  # a missing MLA tensor, by name
         load(broken, "fp32")
 
 

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from models_fixtures import (
-    FP32_TOL, assert_close, check_greedy_speculation, check_prefill_and_decode, check_tree_equals_paths,
-    check_unequal_batch,
+    FP32_TOL, assert_close, check_greedy_speculation, check_prefill_and_decode, check_trace,
+    check_tree_equals_paths, check_unequal_batch,
 )
 from moespec.models import load
 from moespec.models.weights import dequantize_mxfp4
@@ -77,6 +77,10 @@ def test_prefill_and_decode_equal_transformers(folder, dtype, tol):
 def test_tree_verify_equals_path_decoding_and_commit(folder):
     """(positions by depth, the window counted in positions)"""
     check_tree_equals_paths(load(folder, "fp32"), reference(folder), PROMPT)
+
+
+def test_routing_traces(folder):
+    check_trace(load(folder, "fp32"), PROMPT)
 
 
 def test_unequal_batch_equals_each_request_alone(folder):
