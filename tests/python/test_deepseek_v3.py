@@ -97,7 +97,8 @@ def test_budget_equals_the_reference_semantics(folder):
         def forward(hidden_states, mlp=mlp):
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             logits = torch.nn.functional.linear(x.float(), mlp.gate.weight.float())
-            ids, weights, _, stats = route_experts_reference(logits, spec, budget, bias=mlp.gate.e_score_correction_bias)
+            bias = mlp.gate.e_score_correction_bias
+            ids, weights, _, stats = route_experts_reference(logits, spec, budget, bias=bias)
             record.append(stats)
             out = mlp.experts(x, ids.long(), weights) + mlp.shared_experts(x)
             return out.reshape(hidden_states.shape)

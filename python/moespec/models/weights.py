@@ -158,7 +158,8 @@ def _gpt_oss_experts(read: _Reader, ckpt: Checkpoint, prefix: str, E: int, I: in
             rows, cols = shape[2], shape[1]
             blocks, scales = ckpt.get(prefix + name + "_blocks"), ckpt.get(prefix + name + "_scales")
             if tuple(blocks.shape) != (E, rows, cols // 32, 16):
-                raise ValueError(f"{ckpt.folder}: tensor {prefix + name + '_blocks'!r} has shape {tuple(blocks.shape)}, "
+                raise ValueError(f"{ckpt.folder}: tensor {prefix + name + '_blocks'!r} has shape "
+                                 f"{tuple(blocks.shape)}, "
                                  f"expected {(E, rows, cols // 32, 16)} (MXFP4: 16 bytes per 32 values)")
             return dequantize_mxfp4(blocks, scales, prefix + name).transpose(1, 2)  # [E, cols, rows]
         return read(prefix + name, shape, torch.float32)

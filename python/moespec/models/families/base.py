@@ -30,7 +30,7 @@ class TensorNames:
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     fused_gate_up: str = "experts.gate_up_proj"  # transformers 5's fused [E, 2I, H] layout
     fused_down: str = "experts.down_proj"  # [E, H, I]
-    shared_expert: str = "shared_expert."  # + gate_proj / up_proj / down_proj .weight (Qwen2-MoE; DeepSeek: shared_experts.)
+    shared_expert: str = "shared_expert."  # + gate/up/down_proj .weight (Qwen2-MoE; DeepSeek: shared_experts.)
 
 
 @dataclass(frozen=True)
