@@ -8,8 +8,8 @@ and positions [B, T], the attention mask [B, T, S_max] over the whole cache, the
 same forward into a ``torch.cuda.CUDAGraph`` (one memory pool for all buckets); later calls of the
 bucket copy their packed inputs (token ids, positions, the trees' packed mask words: one small
 host-to-device copy) into the static buffers, build the mask and slots there, and replay: one
-launch, no per-op dispatch, no host synchronisation inside the step (routing, budget and experts run in moespec's CUDA ops, which
-allocate from torch's allocator and run on the current stream). Prefill, and calls that fit no
+launch, no per-op dispatch, no host synchronisation inside the step (routing, budget and experts
+run in moespec's CUDA ops, which allocate from torch's allocator and run on the current stream). Prefill, and calls that fit no
 bucket (unequal tree sizes, trees over ``max_tokens`` nodes, an observer recording routing), run
 the reference forward as they are.
 
