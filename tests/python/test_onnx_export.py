@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -223,9 +224,12 @@ def test_build_backend_tensorrt(models, tmp_path):
     assert trt["networks"]["verify"]["budget"]["max_experts"] == 5 and trt["networks"]["prefill"]["budget"] is None
     assert trt["plan_status"].startswith("not built") and trt["networks"]["verify"]["plan"] is None
     script = (out / "tensorrt" / "trtexec.sh").read_text()
-    for name in ("verify", "prefill"):
-        assert f"trtexec --onnx={name}.onnx --saveEngine={name}.plan --staticPlugins=" in script
-        assert trt["networks"][name]["trtexec"] in script
+    commands = [shlex.split(line) for line in script.splitlines() if line.startswith("trtexec ")]
+    for name, cmd in zip(("verify", "prefill"), commands):
+        assert cmd[:3] == ["trtexec", f"--onnx={name}.onnx", f"--saveEngine={name}.plan"]
+        assert cmd[3].startswith("--staticPlugins=") and "libmoespec_trt_plugins.so" in cmd[3] \
+            and "--stronglyTyped" in cmd  # (the built library's path, or a placeholder naming it)
+        assert shlex.split(trt["networks"][name]["trtexec"]) == cmd
     assert sorted(p.name for p in (out / "tensorrt").iterdir()) == ["prefill.onnx", "trtexec.sh", "verify.onnx",
                                                                     "weights.onnx.data"]
     # the files on disk: checked, one weights file, and the budgeted network equals the runtime

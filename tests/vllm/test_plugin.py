@@ -72,3 +72,36 @@ def test_vllm_eagle3_through_the_plugin_equals_ar(folder, head):
     want = generate(folder)
     got = generate(folder, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
     assert got == want
+
+
+def _budget_run(folder, head, budget: str):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "MOESPEC_BUDGET": budget, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), str(Path(__file__).parents[1] / "python")])}
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "budget_run.py"), str(folder), str(head)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    return run, (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None)
+
+
+def test_a_binding_budget_caps_every_verify_pass(folder, head):
+    """MOESPEC_BUDGET=3 (of 8 experts, top-2): every budgeted routing call (verify passes only: 4
+    tokens each, 2 MoE layers... as many calls as layers x verify passes) keeps at most 3 experts and
+    some would have used more; a budget of 8 (all experts) changes nothing: the output is greedy ar's."""
+    run, got = _budget_run(folder, head, "3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    stats = got["stats"]
+    assert stats and all(kept <= 3 for _, kept, _, _ in stats) and any(natural > 3 for natural, _, _, _ in stats)
+    assert len(stats) % 4 == 0  # 4 MoE layers per verify pass: whole passes only (prefill and decode untouched)
+    run, free = _budget_run(folder, head, "8")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert free["outputs"] == generate(folder) and all(kept == natural for natural, kept, _, _ in free["stats"])
+
+
+def test_a_bad_budget_is_an_error_at_engine_start(folder, head):
+    run, _ = _budget_run(folder, head, "many")
+    assert run.returncode != 0 and "MOESPEC_BUDGET='many'" in run.stderr

@@ -2,7 +2,8 @@
 vLLM calls :func:`register` in every process it starts).
 
 - EAGLE-3 for the MoE families vLLM 0.32 lacks it for (Mixtral, Qwen2-MoE, OLMoE;
-  :mod:`moespec.integrations.vllm.eagle3`), so moespec's engines and heads serve as they are.
+  :mod:`moespec.integrations.vllm.eagle3`), so moespec's engines and heads serve as they are;
+- MoE-Spec's expert budget on verify passes (``MOESPEC_BUDGET``; :mod:`moespec.integrations.vllm.budget`).
 
 Nothing here is imported by the core package; this module imports vLLM only inside functions.
 """
@@ -32,5 +33,9 @@ def register() -> None:
     several processes)."""
     from vllm import ModelRegistry
 
+    from moespec.integrations.vllm.budget import budget_from_env, install
+
+    budget = budget_from_env()  # a malformed MOESPEC_BUDGET fails here, when vLLM loads the plugin
     for arch in EAGLE3_FAMILIES:
         ModelRegistry.register_model(arch, f"moespec.integrations.vllm.models:{arch}")
+    install(budget)
