@@ -45,14 +45,19 @@ def _generate_parser(sub) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted (one prompt)")
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
 def _generate(args) -> int:
     from moespec import LLM, SamplingParams, SpeculativeConfig
 
-    prompts = list(args.prompt) + [[int(t) for t in s.split(",") if t.strip()] for s in args.prompt_ids]
+    try:
+        ids = [[int(t) for t in s.split(",") if t.strip()] for s in args.prompt_ids]
+    except ValueError:
+        raise ValueError(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}") from None
+    prompts = list(args.prompt) + ids
     if not prompts:
-        raise SystemExit("moespec generate: give at least one --prompt or --prompt-ids")
+        raise ValueError("give at least one --prompt or --prompt-ids")
     from moespec.engine import is_engine_folder
 
     policy = args.policy or default_policy(has_draft=args.draft is not None, budget=args.budget)
@@ -66,7 +71,7 @@ def _generate(args) -> int:
     policy = llm.speculative_config.policy
     if args.stream:
         if len(prompts) != 1:
-            raise SystemExit("moespec generate --stream takes one prompt")
+            raise ValueError("--stream takes one prompt")
         shown = 0
         for out in llm.generate_stream(prompts[0], params):
             completion = out.outputs[0]
@@ -121,8 +126,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("prepare-dataset", help="write a trtllm-bench JSON Lines dataset (see moespec prepare-dataset --help)")
     args = parser.parse_args(argv)
     if args.command == "generate":
-        return _generate(args)
+        return run_command("moespec generate", lambda: _generate(args), args.debug)
     return 2
+
+
+def run_command(name: str, body, debug: bool = False) -> int:
+    """The CLI's error contract: a user error (ValueError, a missing file) is one line on stderr naming
+    it and exit status 2; Ctrl-C is exit status 130; any other exception is an internal error, exit
+    status 1, its traceback shown with --debug."""
+    try:
+        return body()
+    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
+        if debug:
+            raise
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 (the contract: never a bare traceback without --debug)
+        if debug:
+            raise
+        print(f"{name}: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

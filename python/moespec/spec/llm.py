@@ -126,6 +126,43 @@ class _Request:
         return self.output[-1]
 
 
+TREE_MARGIN = 256  # cache slots a verify tree may add beyond prompt + max_tokens (the largest tree here)
+
+
+def max_memory_bytes() -> int:
+    """MOESPEC_MAX_MEMORY (bytes, or with a K/M/G suffix), else half the machine's physical memory: the
+    most one request batch's KV cache may take."""
+    import os
+
+    given = os.environ.get("MOESPEC_MAX_MEMORY", "").strip()
+    if given:
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(given[-1].upper(), 1)
+        try:
+            return int(float(given[:-1] if scale > 1 else given) * scale)
+        except ValueError:
+            raise ValueError(f"MOESPEC_MAX_MEMORY={given!r}: expected bytes, or a number with K, M or G") from None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def check_bounds(target, prompt_len: int, max_tokens: int, batch: int) -> None:
+    """ValueError before anything is allocated when a request cannot fit: prompt + max_tokens beyond the
+    model's maximum positions, or a batch's KV cache (batch x (prompt + max_tokens + a tree)) beyond
+    :func:`max_memory_bytes`."""
+    c = target.config
+    if prompt_len + max_tokens > c.max_position_embeddings:
+        raise ValueError(f"max_tokens={max_tokens}: with a prompt of {prompt_len} tokens it exceeds the model's "
+                         f"{c.max_position_embeddings} positions (max_position_embeddings)")
+    from moespec.runtime.attention import cache_shapes
+
+    (hk, dk), (hv, dv) = cache_shapes(c)
+    slots = prompt_len + max_tokens + TREE_MARGIN
+    need = c.num_layers * batch * slots * (hk * dk + hv * dv) * target.dtype.itemsize
+    limit = max_memory_bytes()
+    if need > limit:
+        raise ValueError(f"max_tokens={max_tokens}: the KV cache of {batch} such requests needs {need / 2**30:.1f} GiB, "
+                         f"more than the {limit / 2**30:.1f} GiB allowed (MOESPEC_MAX_MEMORY)")
+
+
 class LLM:
     """Generation with a target model, optionally an EAGLE-3 draft head and a speculation policy.
 
@@ -223,6 +260,11 @@ class LLM:
 
     def _request(self, rid: int, prompt: Prompt, params: SamplingParams) -> _Request:
         text, ids = self._encode(prompt)
+        check_bounds(self.target, len(ids), params.max_tokens, self.max_batch_size)
+        V = self.target.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"prompt {rid}: token id {bad} is outside the vocabulary [0, {V})")
         return _Request(rid, text, ids, params, set(self.target.config.eos_token_ids))
 
     def _output(self, r: _Request) -> RequestOutput:
