@@ -63,6 +63,8 @@ def _moe_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       alpha: float) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-d tensor [T, H], got shape {tuple(x.shape)}")
+    if x.shape[0] == 0:  # no tokens: any strides (numpy's empty arrays have 0 strides) are fine
+        x, ids, weights = x.new_empty(x.shape), ids.new_empty(ids.shape), weights.new_empty(weights.shape)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     workspace, stream = None, 0
     if x.device.type == "cuda":  # cpp/kernels/moe_experts.cu: scratch from torch's allocator, the current stream

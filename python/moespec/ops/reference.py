@@ -44,7 +44,7 @@ def route_experts_reference(
         key = prob + bias if bias is not None else prob
         choice = key
         if spec.n_group > 1:
-            group_score = key.view(T, spec.n_group, -1).topk(2, dim=-1).values.sum(-1)  # [T, G]
+            group_score = key.view(T, spec.n_group, N // spec.n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
             groups = group_score.topk(spec.topk_group, dim=-1, sorted=False).indices
             keep = torch.zeros_like(group_score).scatter_(1, groups, 1.0).bool()
             choice = key.masked_fill(~keep.repeat_interleave(N // spec.n_group, dim=1), float("-inf"))

@@ -215,6 +215,8 @@ def _route_experts_impl(
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits: expected a 2-d tensor [T, N], got shape {tuple(router_logits.shape)}")
     T, N = router_logits.shape
+    if T == 0 or router_logits.stride(1) != 1:  # the native op reads rows of contiguous experts
+        router_logits = router_logits.contiguous() if T else router_logits.new_empty((0, N))
     device = router_logits.device
     ids = torch.empty((T, top_k), dtype=torch.int32, device=device)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=device)

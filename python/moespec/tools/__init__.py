@@ -1,0 +1,1 @@
+"""Developer tools run from the command line (``python -m moespec.tools.<tool>``)."""
