@@ -148,7 +148,12 @@ def test_models_llm_and_engines_refuse_bad_input(folder, engine, tmp_path, monke
     (["generate", "--model", "{folder}", "--prompt-ids", "1", "--policy", "eagle3+budget", "--budget", "1"],
      "budget"),
     (["build", "--model", "{missing}", "--out", "{out}"], "no such file"),
-], ids=["bad ids", "max_tokens", "missing model", "no prompt", "budget below top-k", "build: missing model"])
+    (["bench", "throughput", "--engine", "{missing}", "--dataset", "{missing}"], "does not exist"),
+    (["analyze", "trace", "--engine", "{missing}", "--dataset", "{missing}", "--out", "{out}"], "does not exist"),
+    (["prepare-dataset", "--out", "{out}", "mix", "--split", "held", "--num-requests", "0"], "--num-requests"),
+    (["train-draft", "--target", "{missing}", "--corpus", "{missing}", "--out", "{out}"], "does not exist"),
+], ids=["bad ids", "max_tokens", "missing model", "no prompt", "budget below top-k", "build: missing model",
+        "bench: missing engine", "analyze: missing engine", "prepare-dataset: no requests", "train-draft: missing target"])
 def test_cli_user_errors_are_one_line_and_exit_2(folder, tmp_path, argv, fragment):
     argv = [a.format(folder=folder, missing=tmp_path / "missing", out=tmp_path / "out") for a in argv]
     run = subprocess.run([sys.executable, "-m", "moespec", *argv], capture_output=True, text=True, timeout=300,

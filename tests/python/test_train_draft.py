@@ -230,7 +230,7 @@ def test_cli(setup, tmp_path, capsys):
     head = load_eagle3(out, setup["target"])
     assert head.config.draft_vocab_size == V  # >= V: the full vocabulary, no d2t
     assert "d2t" not in load_file(str(out / "model.safetensors"))
-    assert main(argv[:-1] + ["--seed", "4", "--quiet"]) == 1
+    assert main(argv[:-1] + ["--seed", "4", "--quiet"]) == 2  # a user error (the CLI contract)
     assert "seed=3" in capsys.readouterr().err
     help_run = subprocess.run([sys.executable, "-m", "moespec.spec.train", "--help"], capture_output=True, text=True,
                               cwd=str(setup["root"]), env={**os.environ, "PYTHONPATH": str(_python_dir())})

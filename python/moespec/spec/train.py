@@ -426,7 +426,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     moe_impl=a.moe_impl, amp=a.amp)
     except ValueError as exc:
         print(f"moespec train-draft: error: {exc}", file=sys.stderr)
-        return 1
+        return 2  # the CLI contract: a user error is exit status 2
     return 0
 
 
