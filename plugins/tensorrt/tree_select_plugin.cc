@@ -82,6 +82,14 @@ TreeShapes tree_shapes(const TreeSelectFields& f, const Dims* in) {
   return s;
 }
 
+// tree_shapes over the dims `get` takes from each of the inputs (a profile's max, or the bound shapes).
+template <typename Desc, typename Get>
+TreeShapes shapes_of(const TreeSelectFields& f, const Desc* in, int32_t nb_inputs, Get&& get) {
+  Dims dims[11];
+  for (int32_t i = 0; i < nb_inputs; ++i) dims[i] = get(in[i]);
+  return tree_shapes(f, dims);
+}
+
 TensorView input(const PluginTensorDesc* desc, const void* const* data, TreeSelectInput which, int32_t device) {
   return to_view(desc[idx(which)], data[idx(which)], device);
 }
@@ -119,9 +127,7 @@ int32_t TreeSelectPlugin::configurePlugin(const DynamicPluginTensorDesc* in, int
   return guard("configurePlugin", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(in != nullptr && out != nullptr, "inputs", "no tensor descriptions given");
-    Dims max[11];
-    for (int32_t i = 0; i < nb_inputs; ++i) max[i] = in[i].max;
-    tree_shapes(fields_, max);
+    shapes_of(fields_, in, nb_inputs, [](const DynamicPluginTensorDesc& d) { return d.max; });
     return int32_t{0};
   });
 }
@@ -200,9 +206,7 @@ int32_t TreeSelectPlugin::onShapeChange(const PluginTensorDesc* in, int32_t nb_i
   return guard("onShapeChange", int32_t{-1}, [&] {
     check_counts(fields_, nb_inputs, nb_outputs);
     MOESPEC_CHECK_ARG(in != nullptr && out != nullptr, "inputs", "no tensor descriptions given");
-    Dims dims[11];
-    for (int32_t i = 0; i < nb_inputs; ++i) dims[i] = in[i].dims;
-    tree_shapes(fields_, dims);
+    shapes_of(fields_, in, nb_inputs, [](const PluginTensorDesc& d) { return d.dims; });
     return int32_t{0};
   });
 }

@@ -30,6 +30,7 @@ from onnx import TensorProto
 
 from moespec.engine.onnx_graph import PLUGIN_DOMAIN, Graph
 from moespec.ops import ExpertBudget, RouterSpec
+from moespec.ops.routing import _FAMILY_CODES, budget_codes
 
 ROUTE = "MoespecRouteExperts"
 MOE = "MoespecBudgetedMoe"
@@ -40,17 +41,14 @@ ROUTE_FIELDS = ("family", "top_k", "renormalize", "n_group", "topk_group", "scal
                 "coverage", "has_bias", "has_token_weights", "softmax_vector_width")
 MOE_FIELDS = ("intermediate_size", "activation", "limit", "alpha", "has_biases")
 _PLUGIN_ATTRS = ("plugin_namespace", "plugin_version")
-_FAMILY = {"softmax": 0, "deepseek_v3": 1, "gpt_oss": 2}
-_POLICY = {"substitution": 0, "truncation": 1}
 
 
 def route_fields(spec: RouterSpec, budget: Optional[ExpertBudget]) -> dict[str, object]:
     """MoespecRouteExperts' fields for ``spec`` and ``budget`` (None: no budget)."""
-    return {"family": _FAMILY[spec.family], "top_k": spec.top_k, "renormalize": int(spec.renormalize),
+    max_experts, policy, coverage = budget_codes(budget)  # (the native ops' own codes)
+    return {"family": _FAMILY_CODES[spec.family], "top_k": spec.top_k, "renormalize": int(spec.renormalize),
             "n_group": spec.n_group, "topk_group": spec.topk_group, "scaling": float(spec.scaling),
-            "max_experts": budget.max_experts if budget is not None else 0,
-            "policy": _POLICY[budget.policy] if budget is not None else 0,
-            "coverage": float(budget.coverage or 0.0) if budget is not None else 0.0,
+            "max_experts": max_experts, "policy": policy, "coverage": coverage,
             "has_bias": 0, "has_token_weights": 0, "softmax_vector_width": 16}
 
 

@@ -38,6 +38,10 @@ class RopeConfig:
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
 
+    def yarn_mscale(self, m: float = 1.0) -> float:
+        """yarn's 0.1 m ln(factor) + 1 (1 for factor <= 1), as transformers' get_mscale computes it."""
+        return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
+
     @property
     def attention_scaling(self) -> float:
         """The factor cos and sin are multiplied by (1 but for yarn), as transformers computes it."""
@@ -45,13 +49,9 @@ class RopeConfig:
             return 1.0
         if self.attention_factor is not None:
             return float(self.attention_factor)
-
-        def get(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
         if self.mscale and self.mscale_all_dim:
-            return float(get(self.factor, self.mscale) / get(self.factor, self.mscale_all_dim))
-        return get(self.factor)
+            return float(self.yarn_mscale(self.mscale) / self.yarn_mscale(self.mscale_all_dim))
+        return self.yarn_mscale()
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """float32 [D/2], computed as transformers computes it (same ops, same rounding)."""

@@ -12,8 +12,6 @@ Dimensions: B requests, T new tokens, S slots, H hidden, Hq/Hkv heads, D head di
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -85,8 +83,8 @@ def mla_scale(c: ModelConfig) -> float:
     """The softmax scale of MLA: qk_head_dim^-1/2, times mscale^2 under yarn with mscale_all_dim
     (transformers' yarn_apply_mscale)."""
     scale = c.mla.qk_head_dim ** -0.5
-    if c.rope.kind == "yarn" and c.rope.mscale_all_dim and c.rope.factor > 1:
-        m = 0.1 * c.rope.mscale_all_dim * math.log(c.rope.factor) + 1.0
+    if c.rope.kind == "yarn" and c.rope.mscale_all_dim:
+        m = c.rope.yarn_mscale(c.rope.mscale_all_dim)
         scale = scale * m * m
     return scale
 
