@@ -110,6 +110,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from moespec.cost.analyze import main as analyze_main
 
         return analyze_main(argv[1:])
+    if argv and argv[0] == "export-hf":
+        from moespec.engine.export_hf import main as export_main
+
+        return export_main(argv[1:])
     if argv and argv[0] == "prepare-dataset":
         from moespec.data.datasets import main as prepare_main
 
@@ -123,6 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  "(see moespec bench --help)")
     sub.add_parser("analyze", help="routing traces, the IPF coactivation model, the cost model of speculation "
                                    "(see moespec analyze --help)")
+    sub.add_parser("export-hf", help="write an engine as a Hugging Face checkpoint folder (see moespec export-hf --help)")
     sub.add_parser("prepare-dataset", help="write a trtllm-bench JSON Lines dataset (see moespec prepare-dataset --help)")
     args = parser.parse_args(argv)
     if args.command == "generate":

@@ -5,6 +5,9 @@
                               [--model model.json] [--batch 1,2,4,...,64] [--tree 2,4,4] [--acceptance AL | trace.npz]
                               [--context 1024] [--out-dir build/analyze/speedup]
     moespec analyze calibrate --engine <folder> --profile cpu.json [--context 128] [--repeats 5] [--json out.json]
+    moespec analyze schedule  --shape <name> | --engine <folder>  --hardware <h200|...|profile.json> [--model m.json]
+                              --acceptance AL [--depth 2] [--max-batch 64] [--max-drafts 7] [--context 1024]
+                              [--budget B] [--out schedule.json]     (vLLM's drafts-per-batch-size schedule)
 """
 
 from __future__ import annotations
@@ -33,6 +36,21 @@ def add_parsers(sub) -> None:
     s.add_argument("--acceptance", default="2.5", help="tokens per speculative step, or a trace to measure it on")
     s.add_argument("--context", type=int, default=1024, help="cached tokens per request")
     s.add_argument("--out-dir", default="build/analyze/speedup")
+    d = sub.add_parser("schedule", help="cost-optimal chain drafts per batch size: vLLM's "
+                                        "num_speculative_tokens_per_batch_size (table + JSON + PNG)")
+    where = d.add_mutually_exclusive_group(required=True)
+    where.add_argument("--shape", help="a catalogue name (moespec analyze speedup --shape all lists them)")
+    where.add_argument("--engine", help="an engine folder (its model's shape)")
+    d.add_argument("--hardware", default="h200", help="h100-sxm, h200, b200 or a profile .json")
+    d.add_argument("--model", help="coactivation model.json whose routing statistics are transferred (default: "
+                                   "synthetic)")
+    d.add_argument("--acceptance", type=float, required=True, help="tokens per step measured with --depth drafts")
+    d.add_argument("--depth", type=int, default=2, help="chain drafts the acceptance was measured with")
+    d.add_argument("--max-batch", type=int, default=64)
+    d.add_argument("--max-drafts", type=int, default=7)
+    d.add_argument("--context", type=int, default=1024, help="cached tokens per request")
+    d.add_argument("--budget", type=int, help="MoE-Spec's expert cap on verify passes (acceptance measured under it)")
+    d.add_argument("--out", help="write the schedule JSON here (and a PNG beside it)")
     c = sub.add_parser("calibrate", help="the cost model against measured decode and verify steps")
     c.add_argument("--engine", required=True)
     c.add_argument("--profile", required=True, help="this machine's profile (moespec analyze profile)")
@@ -85,6 +103,14 @@ def run(args) -> int:
         write_json_atomic(Path(args.out_dir) / "speedup.json", result)
         print(format_speedup(result))
         print(f"\nwrote {args.out_dir}/speedup.json, speedup_batch.png, speedup_tree.png")
+        return 0
+    if args.command == "schedule":
+        result = schedule(args)
+        print(format_schedule_result(result))
+        if args.out:
+            write_json_atomic(Path(args.out), result)
+            schedule_plot(result, Path(args.out).with_suffix(".png"))
+            print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
         return 0
     if args.command == "calibrate":
         result = calibrate(args.engine, args.profile, context=args.context, repeats=args.repeats,
@@ -165,6 +191,60 @@ def format_speedup(r: dict[str, Any]) -> str:
         lines.append(f"{'':<20}speculation pays (>= 1x) at batch {pays['ipf'] or 'none'} (IPF), "
                      f"{pays['independent'] or 'none'} (independence)")
     return "\n".join(lines)
+
+
+# ---- schedule -------------------------------------------------------------------------------------
+
+
+def schedule(args) -> dict[str, Any]:
+    from moespec.cost.coactivation import CoactivationModel
+    from moespec.cost.hardware import hardware
+    from moespec.cost.schedule import draft_schedule
+    from moespec.cost.shapes import shape
+    from moespec.cost.speedup import transfer
+
+    if args.engine:
+        from moespec.cost.step_cost import shape_from_config
+        from moespec.engine.folder import config_from_dict, read_manifest
+
+        folder = Path(args.engine)
+        target = shape_from_config(config_from_dict(read_manifest(folder)["config"]), folder.name)
+    else:
+        target = shape(args.shape)
+    model = CoactivationModel.load(args.model) if args.model else None
+    return draft_schedule(target, hardware(args.hardware), transfer(target.num_experts, target.top_k, model),
+                          acceptance=args.acceptance, depth=args.depth, max_batch=args.max_batch,
+                          max_drafts=args.max_drafts, context=args.context, budget=args.budget)
+
+
+def format_schedule_result(r: dict[str, Any]) -> str:
+    from moespec.cost.schedule import format_schedule
+
+    return format_schedule(r)
+
+
+def schedule_plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    batches = [row["batch"] for row in r["rows"]]
+    for k in range(r["max_drafts"] + 1):
+        top.plot(batches, [row["prices"][k]["speedup"] for row in r["rows"]], marker=".", label=f"K={k}")
+    top.set_ylabel("predicted x plain decoding")
+    top.legend(ncol=4, fontsize=7)
+    bottom.step(batches, [row["drafts"] for row in r["rows"]], where="post")
+    bottom.set_ylabel("drafts chosen")
+    bottom.set_xlabel("batch (requests)")
+    bottom.set_xscale("log", base=2)
+    top.set_title(f"{r['shape']} on {r['hardware']}: AL {r['acceptance']:.2f} at {r['depth']} drafts"
+                  + (f", budget {r['budget']}" if r["budget"] else ""), fontsize=9)
+    tmp = path.with_name(path.name + ".part.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    tmp.replace(path)
 
 
 # ---- calibrate ------------------------------------------------------------------------------------

@@ -244,6 +244,7 @@ def _resolve_source(model: Union[str, Path], draft: Union[str, Path, None], pred
         info = {"kind": "gguf" if kind != "default" else "default-gguf", "path": str(path),
                 "files": {path.name: _file_info(path, progress)}, "gguf": gguf_metadata(path)}
         info["gguf"]["conversion"] = gguf_to_hf(path, tmp / ".source", DTYPES[dtype], progress=progress)
+        info["config"] = json.loads((tmp / ".source" / "config.json").read_text())  # (export-hf writes it back)
         return tmp / ".source", draft_path, predictor, info
     if is_engine_folder(path):
         raise ValueError(f"--model {model}: this is a moespec engine folder already; build from its source (a Hugging "

@@ -76,7 +76,8 @@ class LayerWeights:
         """View [E, H, I] of every expert's down matrix (no copy)."""
         E, block = self.experts.shape
         H = block // (3 * intermediate)
-        return self.experts.as_strided((E, H, intermediate), (block, intermediate, 1), 2 * intermediate * H)
+        return self.experts.as_strided((E, H, intermediate), (block, intermediate, 1),
+                                       self.experts.storage_offset() + 2 * intermediate * H)  # (offsets are absolute)
 
 
 @dataclass
@@ -282,3 +283,72 @@ def load_weights(ckpt: Checkpoint, cfg: ModelConfig, names: TensorNames, dtype: 
         lm_head = read(names.lm_head, (V, H))
     return ModelWeights(embed=embed, layers=layers, final_norm=read(names.final_norm, (H,)), lm_head=lm_head,
                         dtype=dtype)
+
+
+def hf_tensors(cfg: ModelConfig, w: ModelWeights, names: TensorNames) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`load_weights`: the runtime weights under the family's Hugging Face names
+    (experts in the per-expert layout, GPT-OSS's interleaved ``gate_up_proj``), views where they can be.
+    Loading the result with :func:`load_weights` gives the same tensors."""
+    H, Hq, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out: dict[str, torch.Tensor] = {names.embed: w.embed, names.final_norm: w.final_norm}
+    if not cfg.tie_word_embeddings:
+        out[names.lm_head] = w.lm_head
+    for i, layer in enumerate(w.layers):
+        attn = names.attn.format(i=i)
+        out[names.input_norm.format(i=i)] = layer.input_norm
+        out[names.post_norm.format(i=i)] = layer.post_norm
+        out[attn + "o_proj.weight"] = layer.o
+        if layer.o_bias is not None:
+            out[attn + "o_proj.bias"] = layer.o_bias
+        if cfg.mla is not None:
+            m = cfg.mla
+            if m.q_lora_rank is not None:
+                out.update({attn + "q_a_proj.weight": layer.q_a, attn + "q_a_layernorm.weight": layer.q_a_norm,
+                            attn + "q_b_proj.weight": layer.q})
+            else:
+                out[attn + "q_proj.weight"] = layer.q
+            out.update({attn + "kv_a_proj_with_mqa.weight": layer.kv_a, attn + "kv_a_layernorm.weight": layer.kv_a_norm,
+                        attn + "kv_b_proj.weight": layer.kv_b})
+        else:
+            q, k, v = layer.qkv.split([Hq * D, Hkv * D, Hkv * D])
+            out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
+            if layer.qkv_bias is not None:
+                for p, b in zip("qkv", layer.qkv_bias.split([Hq * D, Hkv * D, Hkv * D])):
+                    out[attn + f"{p}_proj.bias"] = b
+        if layer.q_norm is not None:
+            out[names.q_norm.format(i=i)], out[names.k_norm.format(i=i)] = layer.q_norm, layer.k_norm
+        if layer.sinks is not None:
+            out[attn + "sinks"] = layer.sinks
+        if layer.experts is None:
+            mlp, I = names.mlp.format(i=i), cfg.intermediate_size
+            out.update({mlp + "gate_proj.weight": layer.gate_up[:I], mlp + "up_proj.weight": layer.gate_up[I:],
+                        mlp + "down_proj.weight": layer.down})
+            continue
+        moe, E, I = names.moe.format(i=i), cfg.moe.num_experts, cfg.moe.intermediate_size
+        out[moe + names.router] = layer.router
+        if layer.router_bias is not None:
+            out[moe + names.router.replace("weight", "bias")] = layer.router_bias
+        if layer.score_bias is not None:
+            out[moe + names.router.replace("weight", "e_score_correction_bias")] = layer.score_bias
+        gate_up, down = layer.expert_gate_up(I), layer.expert_down(I)  # [E, 2I, H], [E, H, I]
+        if cfg.moe.activation == "gpt_oss":
+            interleaved = torch.empty(E, H, 2 * I, dtype=gate_up.dtype)
+            interleaved[:, :, 0::2], interleaved[:, :, 1::2] = gate_up[:, :I].transpose(1, 2), gate_up[:, I:].transpose(1, 2)
+            b = layer.expert_biases
+            bias = torch.empty(E, 2 * I, dtype=b.dtype)
+            bias[:, 0::2], bias[:, 1::2] = b[:, :I], b[:, I:2 * I]
+            out.update({moe + "experts.gate_up_proj": interleaved, moe + "experts.down_proj": down.transpose(1, 2),
+                        moe + "experts.gate_up_proj_bias": bias, moe + "experts.down_proj_bias": b[:, 2 * I:]})
+        else:
+            gate_name, up_name, down_name = names.expert_proj
+            for e in range(E):
+                expert = moe + names.expert.replace("{e}", str(e))
+                out.update({expert.format(proj=gate_name): gate_up[e, :I], expert.format(proj=up_name): gate_up[e, I:],
+                            expert.format(proj=down_name): down[e]})
+        if layer.shared_gate_up is not None:
+            shared, Is = moe + names.shared_expert, cfg.moe.shared_intermediate_size
+            out.update({shared + "gate_proj.weight": layer.shared_gate_up[:Is],
+                        shared + "up_proj.weight": layer.shared_gate_up[Is:], shared + "down_proj.weight": layer.shared_down})
+            if layer.shared_gate is not None:
+                out[moe + "shared_expert_gate.weight"] = layer.shared_gate
+    return out
