@@ -15,6 +15,7 @@ import torch
 
 from models_fixtures import write_checkpoint
 from moespec import LLM, SamplingParams, SpeculativeConfig
+from moespec.engine import load_engine
 from moespec.models import load
 from moespec.ops import ExpertBudget, RouterSpec, moe_experts, route_experts
 
@@ -35,6 +36,16 @@ def engine(folder, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def drafted(folder, tmp_path_factory):
+    """An engine with a draft head (files listed with their sha256 in the manifest)."""
+    from moespec.engine import build_engine
+
+    root = tmp_path_factory.mktemp("bad_drafted")
+    return build_engine(folder, root / "engine", draft=_head_of_another_target(folder, root / "head", hidden=64),
+                        dtype="fp32", progress=False).folder
+
+
 def _tamper(engine, tmp_path, edit):
     import shutil
 
@@ -53,6 +64,37 @@ def _truncate_weights(folder):
 def _foreign_manifest(folder):
     m = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").write_text(json.dumps({**m, "format": "other-engine"}))
+
+
+def _flip_a_weight_byte(folder):  # same size, another checksum
+    path = folder / "weights.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _flip_a_draft_byte(folder):
+    path = folder / "draft" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _head_of_another_target(folder, out, hidden=96):
+    """An untrained EAGLE-3 head for a target of hidden size ``hidden`` (this one's is 64: 64 fits it)."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from moespec.models import read_config
+    from moespec.spec.train import new_head
+
+    other = dataclasses.replace(read_config(folder), hidden_size=hidden)
+    head = new_head(other, torch.randn(other.vocab_size, hidden), None, seed=0)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(head.config.to_config()))
+    save_file({k: v.contiguous() for k, v in head.official_state_dict().items()}, str(out / "model.safetensors"))
+    return out
 
 
 def _newer_manifest(folder):
@@ -96,7 +138,7 @@ def test_ops_refuse_bad_input_by_name(name, call, kind, fragment):
         call()
 
 
-def test_models_llm_and_engines_refuse_bad_input(folder, engine, tmp_path, monkeypatch):
+def test_models_llm_and_engines_refuse_bad_input(folder, engine, drafted, tmp_path, monkeypatch):
     cases = [
         ("load: no such folder", lambda: load(tmp_path / "none", "fp32"), ValueError, "does not exist"),
         ("load: unknown dtype", lambda: load(folder, "int8"), ValueError, "dtype"),
@@ -122,6 +164,12 @@ def test_models_llm_and_engines_refuse_bad_input(folder, engine, tmp_path, monke
          ValueError, "format"),
         ("engine: newer format version", lambda: load(_tamper(engine, tmp_path / "c", _newer_manifest)),
          ValueError, "version"),
+        ("engine: weights of the right size and another checksum", lambda: load_engine(
+            _tamper(engine, tmp_path / "d", _flip_a_weight_byte), verify=True), ValueError, "sha256"),
+        ("engine: a tampered draft head file", lambda: load_engine(
+            _tamper(drafted, tmp_path / "e", _flip_a_draft_byte), verify=True), ValueError, "draft file"),
+        ("llm: a draft head for another target", lambda: LLM(folder, dtype="fp32", draft=_head_of_another_target(
+            folder, tmp_path / "other_head")), ValueError, "target_hidden_size"),
         ("engine: build over its own source", lambda: __import__("moespec.engine", fromlist=["build_engine"])
          .build_engine(folder, folder, progress=False), ValueError, "would replace the source"),
     ]

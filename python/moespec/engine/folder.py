@@ -238,8 +238,9 @@ class EngineInfo:
         return predictor
 
 
-def _side_folder(folder: Path, manifest: dict[str, Any], key: str) -> Optional[Path]:
-    """The draft or tokenizer folder the manifest names, checked file by file."""
+def _side_folder(folder: Path, manifest: dict[str, Any], key: str, verify: bool = False) -> Optional[Path]:
+    """The draft, predictor or tokenizer folder the manifest names, checked file by file: present, of the
+    manifest's size and (``verify``) of its sha256."""
     entry = manifest.get(key)
     if entry is None:
         return None
@@ -257,6 +258,9 @@ def _side_folder(folder: Path, manifest: dict[str, Any], key: str) -> Optional[P
         if isinstance(info, dict) and info.get("bytes") is not None and path.stat().st_size != info["bytes"]:
             raise ValueError(f"{folder}: {key} file {entry['folder']}/{name} has {path.stat().st_size} bytes, the "
                              f"manifest says {info['bytes']} (truncated or replaced?); {REBUILD}")
+        if verify and isinstance(info, dict) and info.get("sha256") and file_sha256(path) != info["sha256"]:
+            raise ValueError(f"{folder}: {key} file {entry['folder']}/{name}: sha256 differs from the manifest's "
+                             f"(corrupt or replaced); {REBUILD}")
     return side
 
 
@@ -320,7 +324,8 @@ def load_engine(folder: Union[str, Path], *, dtype: Optional[Literal["bf16", "fp
     taps, moe_impl, device
         As :func:`moespec.models.load`.
     verify : bool
-        Also check the weights file's sha256 against the manifest (reads the whole file).
+        Also check the sha256 of the weights file and of every draft, predictor and tokenizer file against
+        the manifest (reads them whole); without it sizes are checked.
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -349,9 +354,9 @@ def load_engine(folder: Union[str, Path], *, dtype: Optional[Literal["bf16", "fp
         if digest != wmeta.get("sha256"):
             raise ValueError(f"{path}: sha256 {digest} differs from the manifest's {wmeta.get('sha256')} (corrupt or "
                              f"replaced); {REBUILD}")
-    draft = _side_folder(folder, manifest, "draft")
-    predictor = _side_folder(folder, manifest, "predictor")
-    tokenizer = _side_folder(folder, manifest, "tokenizer")
+    draft = _side_folder(folder, manifest, "draft", verify)
+    predictor = _side_folder(folder, manifest, "predictor", verify)
+    tokenizer = _side_folder(folder, manifest, "tokenizer", verify)
     spec = speculation_kwargs(manifest["speculation"], f"{where}: speculation")
     tensors = map_tensors(path, header)
     torch_dtype = engine_dtype if dtype is None else DTYPES[dtype]
