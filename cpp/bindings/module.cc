@@ -17,6 +17,7 @@
 #include "moespec/linear.h"
 #include "moespec/moe_experts.h"
 #include "moespec/route_experts.h"
+#include "moespec/scratch.h"
 #include "moespec/thread_pool.h"
 #include "moespec/tensor_view.h"
 #include "tensor_arg.h"
@@ -145,6 +146,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("route_experts_workspace_size", &cuda::route_experts_workspace_size,
         "Bytes of CUDA workspace route_experts needs for T tokens, N experts, top-K.", py::arg("T"), py::arg("N"),
         py::arg("K"));
+  m.def("route_experts_nonfinite_offset", &cuda::route_experts_nonfinite_offset,
+        "Byte offset in route_experts' CUDA workspace of the int32 count of tokens with non-finite input.");
   m.def("cuda_available", &cuda::available, "Whether this build has the CUDA kernels.");
   m.def("cpu_isa", [] { return std::string(cpu_isa_name(active_cpu_isa())); }, "The CPU ISA kernels use now.");
   m.def(
@@ -186,6 +189,11 @@ PYBIND11_MODULE(_native, m) {
         ThreadPool::instance().set_num_threads(n);
       },
       "Sets the number of threads of moespec's CPU pool.", py::arg("n"));
+  m.def("scratch_bytes", &scratch_bytes, "Bytes the CPU kernels' scratch buffers hold now (moespec/scratch.h).");
+  m.def("scratch_retain_bytes", &scratch_retain_bytes,
+        "Bytes per scratch buffer kept after a call (MOESPEC_SCRATCH_RETAIN_MB, default 64 MiB).");
+  m.def("set_scratch_retain_bytes", &set_scratch_retain_bytes,
+        "Sets the scratch retain limit (bytes per buffer); returns the previous one.", py::arg("bytes"));
   bind_draft_tree(m);
   bind_decoder_step(m);
   m.attr("kMaxExperts") = kMaxExperts;

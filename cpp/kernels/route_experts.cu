@@ -15,7 +15,8 @@
 //   3. final_route_kernel    one warp per token: final ids (unchanged / substitution /
 //                            truncation), the family's weights, re-routed and dropped counts, the
 //                            used-expert marks
-//   4. active_kernel         one block: the sorted active list (padded with N) and the stats
+//   4. active_kernel         one block: the sorted active list (padded with N), the stats and the
+//                            count of tokens with non-finite input (route_experts_nonfinite_offset)
 // With T = 0 steps 1 and 3 are not launched (steps 2 and 4 then write active = [N] * N, stats = 0).
 //
 // Matching the CPU: every float operation is the one route_experts.cc performs, in the same order
@@ -55,6 +56,7 @@ enum Counter : int {
   kCapped = 1,    // 1 when the cap binds (tokens are re-routed)
   kRerouted = 2,  // slots holding an expert the token did not choose naturally (substitution)
   kDropped = 3,   // slots dropped (truncation)
+  kNonFinite = 4,  // tokens with a non-finite logit, bias or token weight (written by step 4)
   kNumCounters = 16,  // room to grow
 };
 
@@ -65,6 +67,7 @@ struct Workspace {
   int32_t* used;      // [N] 1 for experts used by a final slot
   int32_t* nat_ids;   // [T, K] natural top-K
   float* prob;        // [T, N] the family's full probability (softmax, or sigmoid for deepseek_v3)
+  int32_t* bad;       // [T] 1 for a token with a non-finite input (step 1)
 };
 
 constexpr std::size_t kAlign = 128;
@@ -72,7 +75,7 @@ constexpr std::size_t align_up(std::size_t bytes) { return (bytes + kAlign - 1) 
 
 // Byte offsets of the workspace sections; `total` is the size route_experts_workspace_size reports.
 struct Layout {
-  std::size_t counters, in_set, used, nat_ids, prob, total;
+  std::size_t counters, in_set, used, nat_ids, prob, bad, total;
   Layout(int64_t T, int64_t N, int64_t K) {
     const std::size_t t = static_cast<std::size_t>(T), n = static_cast<std::size_t>(N),
                       k = static_cast<std::size_t>(K);
@@ -81,7 +84,8 @@ struct Layout {
     used = in_set + align_up(sizeof(int32_t) * n);
     nat_ids = used + align_up(sizeof(int32_t) * n);
     prob = nat_ids + align_up(sizeof(int32_t) * t * k);
-    total = prob + align_up(sizeof(float) * t * n);
+    bad = prob + align_up(sizeof(float) * t * n);
+    total = bad + align_up(sizeof(int32_t) * t);
   }
 };
 
@@ -317,7 +321,14 @@ __global__ void __launch_bounds__(kTokenThreads) natural_route_kernel(Params p) 
   float* x = s_x[warp];
   float* y = s_y[warp];
   float* prob = p.ws.prob + t * N;
-  for (int e = lane; e < N; e += kWarp) x[e] = load_logit(p, t, e);
+  bool finite = true;
+  for (int e = lane; e < N; e += kWarp) {
+    x[e] = load_logit(p, t, e);
+    finite = finite && isfinite(x[e]) && (p.bias == nullptr || isfinite(p.bias[e]));
+  }
+  if (p.token_weights != nullptr) finite = finite && isfinite(p.token_weights[t]) && p.token_weights[t] >= 0.0f;
+  const bool bad = __any_sync(kFullMask, !finite);
+  if (lane == 0) p.ws.bad[t] = bad ? 1 : 0;
   __syncwarp();
 
   const float* key;
@@ -552,6 +563,16 @@ __global__ void __launch_bounds__(kMaxThreads) active_kernel(Params p) {
     p.stats[2] = p.ws.counters[kRerouted];
     p.stats[3] = p.ws.counters[kDropped];
   }
+  // The tokens with non-finite input (integer sum: the same count in any order).
+  __shared__ int32_t s_bad;
+  if (e == 0) s_bad = 0;
+  __syncthreads();
+  int bad = 0;
+  for (int64_t t = e; t < p.T; t += blockDim.x) bad += p.ws.bad[t];
+  bad = warp_sum(bad);
+  if (lane == 0 && bad != 0) atomicAdd(&s_bad, bad);
+  __syncthreads();
+  if (e == 0) p.ws.counters[kNonFinite] = s_bad;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -587,6 +608,8 @@ int round_up_warp(int n) { return (n + kWarp - 1) / kWarp * kWarp; }
 }  // namespace
 
 bool available() { return true; }
+
+std::size_t route_experts_nonfinite_offset() { return Layout(0, 0, 0).counters + sizeof(int32_t) * kNonFinite; }
 
 std::size_t route_experts_workspace_size(int64_t T, int64_t N, int64_t K) {
   MOESPEC_CHECK_ARG(T >= 0, "T", "must be >= 0, got ", T);
@@ -639,6 +662,7 @@ void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t wo
   p.ws.used = reinterpret_cast<int32_t*>(base + layout.used);
   p.ws.nat_ids = reinterpret_cast<int32_t*>(base + layout.nat_ids);
   p.ws.prob = reinterpret_cast<float*>(base + layout.prob);
+  p.ws.bad = reinterpret_cast<int32_t*>(base + layout.bad);
 
   DeviceGuard guard(args.router_logits.device_index);
   cudaStream_t s = static_cast<cudaStream_t>(stream);

@@ -11,6 +11,8 @@ bool available() { return false; }
 
 std::size_t route_experts_workspace_size(int64_t, int64_t, int64_t) { return 0; }
 
+std::size_t route_experts_nonfinite_offset() { return 0; }
+
 void route_experts(const RouteExpertsArgs&, void*, std::size_t, void*) {
   throw_runtime("moespec was built without CUDA: reconfigure with -DMOESPEC_CUDA=ON (needs nvcc) to run on GPUs");
 }

@@ -33,6 +33,7 @@
 
 namespace moespec {
 using cpu::AlignedBuffer;
+using cpu::release_if_large;
 using cpu::kMoeActPad;
 using cpu::MoeExpertKernels;
 using cpu::moe_expert_kernels;
@@ -95,7 +96,8 @@ void check_weight(const TensorView& t, const char* what, int64_t layer, DType dt
 
 }  // namespace
 
-// Scratch of one step, grown to the largest step seen and reused (a warm step allocates nothing).
+// Scratch of one step, reused (a warm step allocates nothing) and released after a step that left a
+// buffer above the retain limit (moespec/scratch.h).
 struct DecoderModel::Workspace {
   // fp32 values: residual, normed, projection outputs, q, attention output, feed-forward output,
   // activations of the shared expert / dense MLP, logits and gates
@@ -321,7 +323,7 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
       const int64_t n = (t - t0) * G + hg;
       float* dst = o + (first + t) * Hq * D + (g * G + hg) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = c.r(out[n * D + d] * inv_sum[static_cast<std::size_t>(n)]);
-    }
+    }  release_if_large(qv, scores, acc, act, kv, inv_sum);
 }
 
 constexpr int64_t kAttendChunk = 8;  // tokens per attention task
@@ -717,7 +719,9 @@ void DecoderModel::step(const DecoderStepArgs& a) {
     project(c, lm_head_, TensorView{}, h, R, act, logits);
     for (int64_t i = 0; i < R * s.vocab; ++i) store(a.logits.data, dtype_, i, logits[i]);
   }
-  clock.mark(kHead);
+  clock.mark(kHead);  release_if_large(ws.x, ws.h, ws.y, ws.q, ws.o, ws.mlp, ws.inner, ws.logits_f32, ws.act, ws.bits, ws.bits_out,
+                   ws.ids, ws.weights, ws.active, ws.trace_active, ws.row_req, ws.row_slot, ws.span, ws.e, ws.cos,
+                   ws.sin);
 }
 
 }  // namespace moespec

@@ -117,7 +117,7 @@ void linear(const LinearArgs& a) {
   if (!f32) {
     uint16_t* out = a.out.ptr<uint16_t>();
     for (int64_t i = 0; i < T * N; ++i) out[i] = detail::float_to_bf16(y[i]);
-  }
+  }  release_if_large(act_buf, y_buf);
 }
 
 }  // namespace cpu

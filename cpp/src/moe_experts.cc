@@ -222,7 +222,8 @@ constexpr int64_t kColTile = 64;  // phase 2: output columns per task
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Per calling thread, reused across calls (grow-only): the grouping and the staged activations.
+// Per calling thread, reused across calls (released above the retain limit, scratch.h): the grouping
+// and the staged activations.
 struct Workspace {
   std::vector<int64_t> offsets;     // [E + 1] first use of each expert
   std::vector<int32_t> active;      // active experts, ascending
@@ -305,6 +306,7 @@ void gate_up_task(const Problem& p, int32_t e, int64_t j0, int64_t j1) {
           static_cast<float*>(p.hbuf)[row + staged_position(*p.kernels, p.w_dtype, j)] = 0.0f;
     }
   }
+  release_if_large(scratch.a, scratch.b);
 }
 
 // Phase 2 task: output columns [c0, c1) of every token: acc = sum over the tokens' experts of
@@ -341,6 +343,7 @@ void down_task(const Problem& p, int64_t c0, int64_t c1) {
     for (int64_t t = 0; t < p.T; ++t)
       for (int64_t c = c0; c < c1; ++c) out[t * p.H + c] = detail::float_to_bf16(p.acc[t * p.H + c]);
   }
+  release_if_large(scratch.a);
 }
 
 // Groups the used slots by expert; checks ids. Returns U.
@@ -434,6 +437,7 @@ void moe_experts_with(const MoeExpertsArgs& args, const MoeExpertKernels& kernel
     const int64_t c0 = task * kColTile;
     down_task(p, c0, std::min(c0 + kColTile, p.H));
   });
+  release_if_large(ws.xa, ws.hbuf, ws.acc, ws.use_token, ws.use_weight);
 }
 
 }  // namespace cpu

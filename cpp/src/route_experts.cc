@@ -16,6 +16,7 @@
 #include "moespec/cpu_isa.h"
 #include "moespec/detail/route_math.h"
 #include "moespec/error.h"
+#include "aligned_buffer.h"
 #include "route_experts_simd.h"
 
 namespace moespec {
@@ -324,6 +325,7 @@ class Router {
     out[1] = stats.kept;
     out[2] = stats.rerouted;
     out[3] = stats.dropped;
+    release_if_large(s_.logits, s_.prob, s_.nat_ids);  // [T, N] and [T, K]; the [N] rows stay
   }
 
  private:

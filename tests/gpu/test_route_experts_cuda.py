@@ -281,3 +281,29 @@ def test_workspace_too_small_is_a_value_error():
         native().route_experts(view(logits, "router_logits"), None, None, view(ids, "ids"), view(weights, "weights"),
                                view(active, "active"), view(stats, "stats"), 0, k, True, 1, 1, 1.0, 0, 0, 0.0, 8,
                                view(workspace, "workspace"), torch.cuda.current_stream().cuda_stream)
+
+
+@pytest.mark.parametrize("where", ["logits", "bias", "token_weights"])
+def test_non_finite_input_is_a_value_error_as_on_the_cpu(where):
+    T, N = 9, 64
+    g = torch.Generator().manual_seed(SEED)
+    logits, bias, tw = torch.randn(T, N, generator=g), torch.randn(N, generator=g), torch.rand(T, generator=g)
+    spec = RouterSpec("deepseek_v3", 4, True, n_group=1, topk_group=1) if where == "bias" else RouterSpec("softmax", 4)
+    if where == "logits":
+        logits[3, 5] = float("nan")
+    elif where == "bias":
+        bias[5] = float("inf")
+    else:
+        tw[2] = float("nan")
+    args = dict(bias=bias if where == "bias" else None, token_weights=tw if where == "token_weights" else None)
+    budget = ExpertBudget(8)
+    with pytest.raises(ValueError, match="non-finite"):
+        route_experts(logits, spec, budget, **args)
+    cuda = {k: (v.to(CUDA) if v is not None else None) for k, v in args.items()}
+    with pytest.raises(ValueError, match=f"non-finite.*at {T if where == 'bias' else 1} of {T} tokens"):
+        route_experts(logits.to(CUDA), spec, budget, **cuda)
+    r = route_experts(logits.to(CUDA), spec, budget, **cuda, check_finite=False)  # no sync, no check, no crash
+    torch.cuda.synchronize()
+    assert int(r.ids.min()) >= 0 and int(r.ids.max()) <= N
+    clean = route_experts(torch.randn(T, N, device=CUDA), spec, budget)  # the count is per call
+    assert clean.ids.shape == (T, 4)

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from moespec._loader import native
-from moespec.ops import moe_experts, moe_experts_op, num_threads, set_num_threads
+from moespec.ops import moe_experts, moe_experts_op, num_threads, scratch_bytes, set_num_threads, set_scratch_retain
 from moespec.ops.moe import grouped_fits, moe_experts_grouped
 from moespec.ops.reference import moe_experts_reference
 
@@ -117,6 +117,41 @@ def test_results_do_not_depend_on_the_thread_count():
     finally:
         set_num_threads(saved)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_scratch_above_the_retain_limit_is_released_after_the_call():
+    # 640 tokens x 8 experts x I 4096: the staged h alone is 5120 rows x 4096 fp32 = 80 MiB.
+    T, H, I, E, K = 640, 16, 4096, 8, 8
+    g = torch.Generator().manual_seed(0)
+    x, experts = torch.randn(T, H, generator=g), torch.randn(E, 3 * I * H, generator=g) / 4
+    ids = torch.arange(K, dtype=torch.int32).repeat(T, 1)
+    weights = torch.full((T, K), 1 / K)
+    h_bytes = T * K * I * 4
+    want = moe_experts_reference(x, ids, weights, experts, I)
+    saved = set_scratch_retain(1 << 20)
+    try:
+        before_bytes, before_rss = scratch_bytes(), _resident_bytes()
+        out = moe_experts(x, ids, weights, experts, I)
+        # The call's buffers (this thread's, now freed) held >= 80 MiB: no more than 3 of 1 MiB remain,
+        # and the process's memory (an independent count) did not keep them.
+        assert scratch_bytes() - before_bytes <= 3 << 20
+        assert _resident_bytes() - before_rss < h_bytes // 2
+        set_scratch_retain(1 << 30)  # a limit above the call: the next call keeps its buffers
+        kept = moe_experts(x, ids, weights, experts, I)
+        assert scratch_bytes() >= h_bytes
+    finally:
+        set_scratch_retain(saved)
+    moe_experts(x[:1], ids[:1], weights[:1], experts, I)  # the default limit (64 MiB): released again
+    assert scratch_bytes() - before_bytes <= 3 << 20
+    assert torch.equal(out, kept)
+    assert (out - want).abs().max() <= TOL[torch.float32] * want.abs().max()
+    with pytest.raises(ValueError, match="byte count"):
+        set_scratch_retain(-1)
 
 
 def test_custom_op_passes_opcheck():

@@ -128,8 +128,9 @@ class DecoderModel {
   ~DecoderModel();
 
   // Runs one step (see the file comment). Validates the arguments first; a failed call leaves the
-  // cache's committed slots unchanged. Scratch memory is kept between calls and grows to the
-  // largest step (at most kMaxDecoderStepTokens tokens). Calls from several threads are serialized
+  // cache's committed slots unchanged. Scratch memory is kept between calls (at most
+  // kMaxDecoderStepTokens tokens' worth), released after a step that left a buffer above the retain
+  // limit (moespec/scratch.h). Calls from several threads are serialized
   // (they share the scratch).
   void step(const DecoderStepArgs& args);
 

@@ -25,7 +25,8 @@
 // A dropped slot (id E) and a zero-weight slot cost nothing beyond the routing scan (and a
 // zero-weight slot contributes exactly nothing, even if its expert would give inf or NaN); an
 // expert no slot uses is never read. Scratch memory (x and h staged in the product's dtype, an
-// fp32 accumulator for bf16 out) is kept per calling thread and grows to the largest call seen.
+// fp32 accumulator for bf16 out) is kept per calling thread and reused, released after a call that
+// left it above the retain limit (moespec/scratch.h).
 // Work runs on the process-wide thread pool (thread_pool.h): first the gate/up rows of every
 // active expert (tasks over expert x row tiles), then the down rows (tasks over output column
 // tiles, each owning its columns of out for every token: no atomics).

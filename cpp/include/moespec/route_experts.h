@@ -117,10 +117,16 @@ std::size_t route_experts_workspace_size(int64_t T, int64_t N, int64_t K);
 
 // Routes on the GPU: one fixed launch sequence on `stream` (a cudaStream_t), no host
 // synchronisation and no allocation, so it can be captured in a CUDA graph. `workspace` must hold
-// route_experts_workspace_size(T, N, K) bytes on the same device. Tensor values are not checked
-// (that would need a host sync): non-finite logits give unspecified ids, never a crash.
+// route_experts_workspace_size(T, N, K) bytes on the same device. Tensor values are not checked on
+// the host (that would need a host sync): a token with a non-finite logit, bias or token weight gets
+// unspecified ids in [0, N] and weights, never a crash, and the call leaves the number of such
+// tokens as an int32 at byte route_experts_nonfinite_offset() of the workspace, for a caller that
+// synchronises anyway (moespec.ops.route_experts reads it and raises, outside graph capture).
 // Throws Error(kRuntime) when moespec was built without CUDA.
 void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t workspace_bytes, void* stream);
+
+// Byte offset in route_experts' workspace of the int32 count of tokens with non-finite input.
+std::size_t route_experts_nonfinite_offset();
 
 // Whether this build has the CUDA kernels.
 bool available();

@@ -86,9 +86,10 @@ def moe_forward(
     else:  # [P, E], in the model dtype as transformers computes it
         logits = F.linear(x, layer.router, layer.router_bias)
     bias = layer.score_bias.float() if layer.score_bias is not None else None
-    routing = route_experts(logits, moe.router, budget, bias)
+    # (check_finite=False: a CUDA step never synchronises with the host; the CPU checks in any case.)
+    routing = route_experts(logits, moe.router, budget, bias, check_finite=False)
     if trace is not None:
-        trace.append(routing if budget is None else route_experts(logits, moe.router, None, bias))
+        trace.append(routing if budget is None else route_experts(logits, moe.router, None, bias, check_finite=False))
     if impl == "reference" or not _kernel_runs_on(x.device):
         out = experts_reference(x, routing, layer, moe)
     else:

@@ -11,7 +11,7 @@
 """
 
 from moespec.ops.linear import linear, linear_op
-from moespec.ops.moe import moe_experts, moe_experts_op, num_threads, set_num_threads
+from moespec.ops.moe import moe_experts, moe_experts_op, num_threads, scratch_bytes, set_num_threads, set_scratch_retain
 from moespec.ops.routing import (
     ExpertBudget,
     Routing,
@@ -29,7 +29,9 @@ __all__ = [
     "moe_experts",
     "moe_experts_op",
     "num_threads",
+    "scratch_bytes",
     "set_num_threads",
+    "set_scratch_retain",
     "Routing",
     "RouterSpec",
     "RoutingStats",

@@ -157,3 +157,16 @@ def num_threads() -> int:
 def set_num_threads(n: int) -> None:
     """Sets the number of threads of moespec's CPU thread pool."""
     native().set_num_threads(int(n))
+
+
+def scratch_bytes() -> int:
+    """Bytes the CPU kernels' scratch buffers hold now, over every thread (cpp/include/moespec/scratch.h)."""
+    return native().scratch_bytes()
+
+
+def set_scratch_retain(nbytes: int) -> int:
+    """Sets how many bytes a kernel scratch buffer may keep after a call (MOESPEC_SCRATCH_RETAIN_MB,
+    default 64 MiB; a buffer above it is freed when its call ends); returns the previous limit."""
+    if int(nbytes) < 0:
+        raise ValueError(f"set_scratch_retain: expected a byte count >= 0, got {nbytes!r}")
+    return native().set_scratch_retain_bytes(int(nbytes))

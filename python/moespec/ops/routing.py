@@ -211,6 +211,7 @@ def _route_experts_impl(
     policy: int,
     coverage: float,
     softmax_vector_width: int,
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits: expected a 2-d tensor [T, N], got shape {tuple(router_logits.shape)}")
@@ -249,6 +250,12 @@ def _route_experts_impl(
         view(workspace, "workspace"),
         stream,
     )
+    if check_finite and workspace is not None and not torch.cuda.is_current_stream_capturing():
+        at = native().route_experts_nonfinite_offset()
+        bad = int(workspace[at:at + 4].view(torch.int32).item())  # (a host sync: pass check_finite=False to skip)
+        if bad:
+            raise ValueError(f"router_logits: non-finite values (NaN or inf in the logits, bias or token_weights) "
+                             f"at {bad} of {T} tokens")
     return ids, weights, active, stats
 
 
@@ -291,6 +298,7 @@ def route_experts(
     bias: Optional[torch.Tensor] = None,
     *,
     token_weights: Optional[torch.Tensor] = None,
+    check_finite: bool = True,
 ) -> Routing:
     """Routes T tokens to experts, optionally under an expert budget.
 
@@ -305,6 +313,11 @@ def route_experts(
         deepseek_v3's ``e_score_correction_bias``.
     token_weights : Tensor [T] float32, optional
         Weights of the tokens in the budget's expert scores (default: all 1).
+    check_finite : bool
+        On CUDA, raise ValueError when an input value is NaN or inf, as the CPU always does: the kernel
+        counts such tokens on the GPU and this reads the count back (one host synchronisation; skipped
+        inside CUDA graph capture and torch.compile). False: no synchronisation, and such tokens get
+        unspecified (in-range) ids and weights. The CPU checks in any case.
 
     Returns
     -------
@@ -343,5 +356,6 @@ def route_experts(
     # Eager calls go straight to the implementation (the dispatcher round trip of the custom op
     # adds ~15 us per call, as much as the routing itself at decode sizes: see
     # `python -m moespec.bench.ops`); traced code (torch.compile) goes through the op.
-    impl = route_experts_op if torch.compiler.is_compiling() else _route_experts_impl
-    return Routing(*impl(*args))
+    if torch.compiler.is_compiling():
+        return Routing(*route_experts_op(*args))
+    return Routing(*_route_experts_impl(*args, check_finite=check_finite))
