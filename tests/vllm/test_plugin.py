@@ -36,11 +36,11 @@ def head(folder, tmp_path_factory):
     return out
 
 
-def generate(folder, speculative=None, max_tokens: int = 12) -> list[list[int]]:
+def generate(folder, speculative=None, max_tokens: int = 12, eager: bool = True) -> list[list[int]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(folder), tokenizer=None, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+    llm = LLM(model=str(folder), tokenizer=None, skip_tokenizer_init=True, dtype="float32", enforce_eager=eager,
               max_model_len=64, max_num_seqs=2, speculative_config=speculative, seed=0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False))
@@ -67,14 +67,16 @@ def test_vllm_greedy_equals_moespec(folder):
     assert generate(folder) == want
 
 
-def test_vllm_eagle3_through_the_plugin_equals_ar(folder, head):
-    """vLLM's EAGLE-3 (chain drafts) on the plugin's Mixtral class: greedy output == greedy ar."""
-    want = generate(folder)
-    got = generate(folder, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_vllm_eagle3_through_the_plugin_equals_ar(folder, head, eager):
+    """vLLM's EAGLE-3 (chain drafts) on the plugin's Mixtral class: greedy output == greedy ar, eager and
+    compiled (vLLM's default: torch.compile of the inner model, which must run the plugin's forward)."""
+    want = generate(folder, eager=eager)
+    got = generate(folder, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}, eager=eager)
     assert got == want
 
 
-def _budget_run(folder, head, budget: str):
+def _budget_run(folder, head, budget: str, mode: str = "eager"):
     import json
     import os
     import subprocess
@@ -83,7 +85,7 @@ def _budget_run(folder, head, budget: str):
 
     env = {**os.environ, "MOESPEC_BUDGET": budget, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parent), str(Path(__file__).parents[1] / "python")])}
-    run = subprocess.run([sys.executable, str(Path(__file__).parent / "budget_run.py"), str(folder), str(head)],
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "budget_run.py"), str(folder), str(head), mode],
                          env=env, capture_output=True, text=True, timeout=600)
     return run, (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None)
 
@@ -102,6 +104,70 @@ def test_a_binding_budget_caps_every_verify_pass(folder, head):
     assert free["outputs"] == generate(folder) and all(kept == natural for natural, kept, _, _ in free["stats"])
 
 
+def test_a_binding_budget_gives_moespecs_own_budgeted_output(folder, head):
+    """vLLM + MOESPEC_BUDGET=3 against moespec's runtime with eagle3+budget:3 on the same chain (3 drafts,
+    top-1: vLLM's chain), both requests verified together in every pass, fp32: the same greedy tokens.
+    (Equal because both route the same logits up to fp32 rounding and no budget choice here sits on a
+    tie; the budget makes both differ from plain greedy decoding.)"""
+    from moespec import LLM, SamplingParams, SpeculativeConfig
+
+    run, got = _budget_run(folder, head, "3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    llm = LLM(str(folder), dtype="fp32", draft=str(head),
+              speculative_config=SpeculativeConfig("eagle3+budget", depth=3, top_k=1, total_tokens=3, budget=3))
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
+    assert got["outputs"] == want
+    assert want != generate(folder)  # the budget binds: not plain greedy decoding
+
+
+def test_the_budget_holds_in_vllms_compiled_graph(folder, head):
+    """enforce_eager=False (vLLM's torch.compile of the model on the CPU): the budget is an opaque op,
+    so the compiled graph still decides per pass: verify passes capped at 3, whole passes only."""
+    run, got = _budget_run(folder, head, "3", mode="compiled")
+    assert run.returncode == 0, run.stderr[-3000:]
+    stats = got["stats"]
+    assert stats and all(kept <= 3 for _, kept, _, _ in stats) and any(natural > 3 for natural, _, _, _ in stats)
+    assert len(stats) % 4 == 0
+
+
 def test_a_bad_budget_is_an_error_at_engine_start(folder, head):
     run, _ = _budget_run(folder, head, "many")
     assert run.returncode != 0 and "MOESPEC_BUDGET='many'" in run.stderr
+
+
+def _spec_run(folder, speculative, prompts):
+    """Greedy outputs and the draft tokens vLLM proposed (its spec-decode metrics), one LLM."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(folder), tokenizer=None, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              max_model_len=64, max_num_seqs=2, speculative_config=speculative, seed=0, disable_log_stats=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False))
+    drafts = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
+    del llm
+    return [list(o.outputs[0].token_ids) for o in outs], drafts
+
+
+def test_cost_aware_drafts_per_batch_size_change_only_how_many_are_verified(folder, head):
+    """moespec's schedule (moespec.cost.schedule, vLLM's num_speculative_tokens_per_batch_size): the same
+    greedy outputs as ar whatever it chooses; a schedule of fewer drafts proposes fewer; one of 0 drafts
+    at the batch that runs proposes none."""
+    from moespec.cost.hardware import hardware
+    from moespec.cost.schedule import draft_schedule
+    from moespec.cost.speedup import transfer
+    from moespec.cost.step_cost import shape_from_config
+    from moespec.models import read_config
+
+    want = generate(folder)
+    shape = shape_from_config(read_config(folder), "tiny")
+    chosen = draft_schedule(shape, hardware("h200"), transfer(shape.num_experts, shape.top_k), acceptance=2.0,
+                            depth=3, max_batch=2, max_drafts=3)
+    runs = {}
+    for name, ranges in [("moespec", chosen["num_speculative_tokens_per_batch_size"]),
+                         ("3 each", [(1, 2, 3)]), ("1 each", [(1, 2, 1)]), ("none at 2", [(1, 1, 3), (2, 2, 0)])]:
+        runs[name] = _spec_run(folder, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3,
+                                        "num_speculative_tokens_per_batch_size": [tuple(r) for r in ranges]}, PROMPTS)
+        assert runs[name][0] == want, name
+    assert 0 < runs["1 each"][1] < runs["3 each"][1]
+    assert runs["none at 2"][1] == 0  # both prompts run together all the way (same length, batch 2)

@@ -10,11 +10,12 @@ Nothing here is imported by the core package; this module imports vLLM only insi
 
 from __future__ import annotations
 
-# vLLM architecture -> (its module, its class) for the families this plugin gives EAGLE-3
+# vLLM architecture -> (its module, its class, the class of its inner ``model``) for the families this
+# plugin gives EAGLE-3
 EAGLE3_FAMILIES = {
-    "MixtralForCausalLM": ("vllm.model_executor.models.mixtral", "MixtralForCausalLM"),
-    "Qwen2MoeForCausalLM": ("vllm.model_executor.models.qwen2_moe", "Qwen2MoeForCausalLM"),
-    "OlmoeForCausalLM": ("vllm.model_executor.models.olmoe", "OlmoeForCausalLM"),
+    "MixtralForCausalLM": ("vllm.model_executor.models.mixtral", "MixtralForCausalLM", "MixtralModel"),
+    "Qwen2MoeForCausalLM": ("vllm.model_executor.models.qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeModel"),
+    "OlmoeForCausalLM": ("vllm.model_executor.models.olmoe", "OlmoeForCausalLM", "OlmoeModel"),
 }
 
 
@@ -24,8 +25,8 @@ def eagle3_class(architecture: str) -> type:
 
     from moespec.integrations.vllm.eagle3 import with_eagle3
 
-    module, name = EAGLE3_FAMILIES[architecture]
-    return with_eagle3(getattr(importlib.import_module(module), name))
+    module, name, inner = EAGLE3_FAMILIES[architecture]
+    return with_eagle3(getattr(importlib.import_module(module), name), inner)
 
 
 def register() -> None:

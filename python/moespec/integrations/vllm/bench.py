@@ -9,7 +9,11 @@ them), in bf16, eager (the budget's hook is Python: see :mod:`moespec.integratio
 with ``--draft-tokens`` drafts per step (a chain: vLLM 0.32 builds no trees). Prints tokens/s,
 the ratio to ``ar``, the acceptance length (output tokens / target steps) and, for budgets, the
 kept and natural experts a layer; ``--json`` writes the rows. "ar" is vLLM stock (no speculation),
-"eagle3" vLLM's EAGLE-3 through the plugin's class, "eagle3+budget:B" the same with MOESPEC_BUDGET=B.
+"eagle3" vLLM's EAGLE-3 through the plugin's class, "eagle3+budget:B" the same with MOESPEC_BUDGET=B,
+"eco" (and "eco+budget:B") vLLM's EAGLE-3 with the drafts per batch size that moespec's cost model
+chooses (:mod:`moespec.cost.schedule`: vLLM's ``num_speculative_tokens_per_batch_size``) from this
+machine's ``--hardware`` profile and the acceptance ``eagle3`` measured earlier in the same run
+(or ``--acceptance``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ def _one_policy(args) -> dict:
 
     spec = None if args.policy == "ar" else {"method": "eagle3", "model": str(args.draft),
                                              "num_speculative_tokens": args.draft_tokens}
+    if args.schedule:  # eco: the cost model's drafts per batch size
+        schedule = json.loads(args.schedule)
+        spec.update(num_speculative_tokens=schedule["num_speculative_tokens"],
+                    num_speculative_tokens_per_batch_size=[tuple(r) for r in
+                                                           schedule["num_speculative_tokens_per_batch_size"]])
     llm = LLM(model=str(args.model), dtype="bfloat16", enforce_eager=True, max_model_len=args.max_len,
               max_num_seqs=1, speculative_config=spec, seed=0, disable_log_stats=False)
     requests = _requests(args.dataset, args.num_requests)
@@ -60,7 +69,9 @@ def _one_policy(args) -> dict:
     row = {"policy": args.policy, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
            "outputs": outputs}
     if spec is not None and drafts:
-        row["acceptance_length"] = 1 + accepted / (drafts / args.draft_tokens)  # per verify step
+        k = spec["num_speculative_tokens_per_batch_size"][0][2] if args.schedule else args.draft_tokens
+        row["acceptance_length"] = 1 + accepted / (drafts / k)  # per verify step (batch 1: K of batch 1)
+        row["drafts"] = k
     if STATS:
         row["kept"] = sum(s.kept for s in STATS) / len(STATS)
         row["natural"] = sum(s.natural_unique for s in STATS) / len(STATS)
@@ -78,6 +89,26 @@ def _spec_counts(llm) -> tuple[float, float]:
     return drafts, accepted
 
 
+def eco_schedule(args, rows: list[dict], budget: Optional[int]) -> dict:
+    """moespec's drafts-per-batch-size schedule for the target (batch 1 is what this bench runs)."""
+    from moespec.cost.hardware import hardware
+    from moespec.cost.schedule import draft_schedule
+    from moespec.cost.speedup import transfer
+    from moespec.cost.step_cost import shape_from_config
+    from moespec.models import read_config
+
+    acceptance = args.acceptance
+    if acceptance is None:
+        measured = next((r for r in rows if r["policy"] == "eagle3" and "acceptance_length" in r), None)
+        if measured is None:
+            raise ValueError("needs --acceptance or an eagle3 policy earlier in --policies (its measured acceptance)")
+        acceptance = min(measured["acceptance_length"], args.draft_tokens + 1)
+    shape = shape_from_config(read_config(args.model), args.model.name)
+    return draft_schedule(shape, hardware(str(args.hardware)), transfer(shape.num_experts, shape.top_k),
+                          acceptance=acceptance, depth=args.draft_tokens, max_batch=1,
+                          max_drafts=args.max_drafts, context=256, budget=budget)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moespec.integrations.vllm.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True, help="the target, a Hugging Face folder")
@@ -87,8 +118,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--num-requests", type=int, default=9)
     p.add_argument("--draft-tokens", type=int, default=2, help="drafts per step (default 2: the default tree's depth)")
     p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--hardware", default="build/bench/hardware.json",
+                   help="eco: this machine's profile (moespec analyze profile) or h200, ...")
+    p.add_argument("--acceptance", type=float, help="eco: tokens per step at --draft-tokens drafts (default: what "
+                                                    "eagle3 measured in this run)")
+    p.add_argument("--max-drafts", type=int, default=4, help="eco: most drafts the schedule may choose")
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--policy", help=argparse.SUPPRESS)  # (internal: run one policy in this process)
+    p.add_argument("--schedule", help=argparse.SUPPRESS)  # (internal: eco's schedule, JSON)
     args = p.parse_args(argv)
     if args.policy is not None:
         print("MOESPEC_ROW " + json.dumps(_one_policy(args)), flush=True)
@@ -96,12 +133,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for policy in [x.strip() for x in args.policies.split(",") if x.strip()]:
         budget = policy.split("+budget:")[1] if "+budget:" in policy else ""
-        if policy != "ar" and not policy.startswith("eagle3"):
-            print(f"error: unknown policy {policy!r} (ar, eagle3, eagle3+budget:B)", file=sys.stderr)
+        if policy != "ar" and not policy.startswith(("eagle3", "eco")):
+            print(f"error: unknown policy {policy!r} (ar, eagle3, eagle3+budget:B, eco, eco+budget:B)", file=sys.stderr)
             return 2
         env = {**os.environ, "MOESPEC_BUDGET": budget}
         cmd = [sys.executable, "-m", "moespec.integrations.vllm.bench", *(argv or sys.argv[1:]), "--policy",
                policy]
+        if policy.startswith("eco"):
+            try:
+                schedule = eco_schedule(args, rows, int(budget) if budget else None)
+            except ValueError as exc:
+                print(f"error: {policy}: {exc}", file=sys.stderr)
+                return 2
+            print(f"[vllm bench] {policy}: drafts per batch size {schedule['num_speculative_tokens_per_batch_size']}",
+                  file=sys.stderr, flush=True)
+            cmd += ["--schedule", json.dumps({k: schedule[k] for k in ("num_speculative_tokens",
+                                                                      "num_speculative_tokens_per_batch_size")})]
         print(f"[vllm bench] {policy} ...", file=sys.stderr, flush=True)
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((x for x in run.stdout.splitlines() if x.startswith("MOESPEC_ROW ")), None)

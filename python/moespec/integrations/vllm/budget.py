@@ -17,10 +17,10 @@ Two hooks, installed by :func:`install` in every vLLM process that loads the plu
 Every budgeted routing call appends its :class:`moespec.ops.RoutingStats` to :data:`STATS` and,
 every ``MOESPEC_BUDGET_LOG`` passes (default 0: never), logs the mean kept and natural experts.
 Configuration: ``MOESPEC_BUDGET`` = ``B`` or ``B:substitution`` / ``B:truncation`` (unset: off);
-a malformed value is an error when the plugin loads. The router state is Python, so on the CPU
-the budget needs ``enforce_eager=True`` (vLLM's compiled CPU graph freezes it; an opaque custom op
-is the next step). Routers whose family moespec does not implement (DeepSeek-V4's sqrtsoftplus, a
-custom routing function) are left alone.
+a malformed value is an error when the plugin loads. The per-pass decision runs inside the opaque
+custom op ``moespec_vllm::verify_budget``, so compiled models (vLLM's default, ``enforce_eager=False``)
+keep it; with EPLB the budget runs in Python and needs ``enforce_eager=True``. Routers whose family
+moespec does not implement (DeepSeek-V4's sqrtsoftplus, a custom routing function) are left alone.
 """
 
 from __future__ import annotations
@@ -66,42 +66,72 @@ def router_spec(router) -> Optional[RouterSpec]:
     return None
 
 
-def budgeted_routing(router, router_logits: torch.Tensor, budget: ExpertBudget, ids_dtype) -> Optional[tuple]:
-    """(weights float32 [T, K], ids [T, K]) of ``router_logits`` under ``budget``, or None where the
-    router's family is not moespec's."""
-    spec = router_spec(router)
-    if spec is None or budget.max_experts < spec.top_k:
-        return None
-    bias = getattr(router, "e_score_correction_bias", None)
-    r = route_experts(router_logits.float(), spec, budget, bias.float() if bias is not None else None)
+_BUDGET: dict[str, Optional[ExpertBudget]] = {"budget": None}  # the installed budget (the op reads it)
+
+
+@torch.library.custom_op("moespec_vllm::verify_budget", mutates_args=())
+def verify_budget(router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bias: Optional[torch.Tensor],
+                  family: str, top_k: int, renormalize: bool, n_group: int, topk_group: int,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's (weights, ids), re-routed under the installed budget when this is a verify pass.
+
+    Opaque to torch.compile, so a compiled model (vLLM's CPU graph, CUDA graphs of eager ops aside)
+    decides at run time, per pass, from the model runner's mark; otherwise copies of its inputs."""
+    budget = _BUDGET["budget"]
+    if not _STATE["verify"] or budget is None:
+        return weights.clone(), ids.clone()
+    spec = RouterSpec(family, top_k, renormalize, n_group=n_group, topk_group=topk_group, scaling=scaling)
+    w, i = _route_under(spec, router_logits, bias, budget)
+    return w.to(weights.dtype), i.to(ids.dtype)
+
+
+@verify_budget.register_fake
+def _verify_budget_fake(router_logits, weights, ids, bias, family, top_k, renormalize, n_group, topk_group, scaling):
+    return torch.empty_like(weights), torch.empty_like(ids)
+
+
+def _route_under(spec: RouterSpec, router_logits: torch.Tensor, bias: Optional[torch.Tensor],
+                 budget: ExpertBudget) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, K], ids int64 [T, K]) of the logits under the budget; a dropped slot keeps an
+    expert the pass reads, at weight 0 (vLLM's CPU MoE kernel mis-computes id -1)."""
+    r = route_experts(router_logits.float(), spec, budget, bias.float() if bias is not None else None,
+                      check_finite=False)  # (no host sync per layer on a GPU, as vLLM's own routers)
     ids, weights = r.ids.long(), r.weights
     dropped = ids >= router_logits.shape[-1]
-    if bool(dropped.any()):  # keep the slot on an expert the pass reads, at weight 0
-        ids = torch.where(dropped, r.active_padded[0].long(), ids)
-        weights = torch.where(dropped, torch.zeros_like(weights), weights)
+    ids = torch.where(dropped, r.active_padded[0].long(), ids)
+    weights = torch.where(dropped, torch.zeros_like(weights), weights)
     STATS.append(r.stats)
-    return weights, ids.to(ids_dtype or torch.int32)
+    return weights, ids
 
 
 def _wrap_routers(budget: ExpertBudget) -> None:
-    """Wraps BaseRouter._select_experts, the template every vLLM FusedMoE router runs: on a verify pass
-    the pass's logits are re-routed under the budget and go through the router's own EPLB mapping and
-    index dtype (the natural ids were computed, captured and, with EPLB, recorded first)."""
+    """Wraps BaseRouter._select_experts, the template every vLLM FusedMoE router runs: the router's own
+    routing runs first (its natural ids computed, captured and, with EPLB, recorded), then on a verify
+    pass the logits are re-routed under the budget. Without EPLB through the opaque op
+    :func:`verify_budget` (compiled graphs keep the per-pass decision); with EPLB in Python, the
+    budgeted ids through the router's own EPLB mapping (eager models only)."""
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
+    _BUDGET["budget"] = budget
     original = BaseRouter._select_experts
     if getattr(original, "_moespec", False):
         return
 
     def _select_experts(self, hidden_states, router_logits, topk_indices_dtype=None, **kwargs):
         weights, ids = original(self, hidden_states, router_logits, topk_indices_dtype, **kwargs)
+        spec = router_spec(self)
+        if spec is None or budget.max_experts < spec.top_k:
+            return weights, ids
+        bias = getattr(self, "e_score_correction_bias", None)
+        if self.eplb_state is None:
+            return torch.ops.moespec_vllm.verify_budget(router_logits, weights, ids, bias, spec.family, spec.top_k,
+                                                        spec.renormalize, spec.n_group, spec.topk_group,
+                                                        float(spec.scaling))
         if not _STATE["verify"]:
             return weights, ids
-        out = budgeted_routing(self, router_logits, budget, ids.dtype)
-        if out is None:
-            return weights, ids
-        budgeted = self._convert_indices_dtype(self._apply_eplb_mapping(out[1]), topk_indices_dtype)
-        return out[0].to(weights.dtype), budgeted
+        w, budgeted = _route_under(spec, router_logits, bias, budget)
+        budgeted = self._convert_indices_dtype(self._apply_eplb_mapping(budgeted.to(ids.dtype)), topk_indices_dtype)
+        return w.to(weights.dtype), budgeted
 
     _select_experts._moespec = True
     BaseRouter._select_experts = _select_experts

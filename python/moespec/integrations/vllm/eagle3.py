@@ -5,8 +5,10 @@ vLLM's EAGLE-3 proposer asks the target for the residual stream after some layer
 (``SupportsEagle3.set_aux_hidden_state_layers``) and expects ``forward`` to return ``(hidden,
 [aux...])`` then. :func:`with_eagle3` subclasses a ``*ForCausalLM`` whose inner ``model`` runs
 ``layers[start_layer:end_layer]`` then ``norm`` (the layout of every vLLM decoder here) so that it
-does: the inner model gets vLLM's own ``EagleModelMixin`` and a forward that collects those states
-as vLLM's Qwen3-MoE does. It also zeroes the parameters a checkpoint does not hold that vLLM's
+does: the inner model is built as a subclass with vLLM's own ``EagleModelMixin`` and a forward that
+collects those states as vLLM's Qwen3-MoE does. (Built as the subclass, not converted afterwards:
+vLLM's ``support_torch_compile`` binds ``self.forward`` when the inner model is constructed, so a
+compiled model runs the forward the instance was built with.) It also zeroes the parameters a checkpoint does not hold that vLLM's
 class always builds (Qwen2-MoE's q/k/v biases when ``qkv_bias`` is false: left uninitialised by
 vLLM, NaN on a small model).
 """
@@ -40,23 +42,35 @@ def _forward(self, input_ids, positions, intermediate_tensors=None, inputs_embed
     return (hidden_states, aux) if aux else hidden_states
 
 
-def _with_mixin(inner: torch.nn.Module) -> None:
+def _with_mixin(cls: type) -> type:
+    """The inner model class ``cls`` with vLLM's EagleModelMixin and the aux-collecting forward."""
     from vllm.model_executor.models.interfaces import EagleModelMixin
 
-    cls = type(inner)
     if cls not in _WRAPPED:
         _WRAPPED[cls] = type(f"{cls.__name__}Eagle3", (EagleModelMixin, cls), {"forward": _forward})
-    inner.__class__ = _WRAPPED[cls]
+    return _WRAPPED[cls]
 
 
-def with_eagle3(base: type) -> type:
-    """``base`` (a vLLM ``*ForCausalLM`` class) with vLLM's EAGLE-3 interface."""
+def with_eagle3(base: type, inner: str) -> type:
+    """``base`` (a vLLM ``*ForCausalLM`` class whose module builds its ``model`` from the class named
+    ``inner``) with vLLM's EAGLE-3 interface."""
+    import sys
+
     from vllm.model_executor.models.interfaces import SupportsEagle3
+
+    module = sys.modules[base.__module__]
 
     class Eagle3(base, SupportsEagle3):
         def __init__(self, *, vllm_config, prefix: str = ""):
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            _with_mixin(self.model)
+            original = getattr(module, inner)
+            setattr(module, inner, _with_mixin(original))  # base.__init__ builds self.model from it
+            try:
+                super().__init__(vllm_config=vllm_config, prefix=prefix)
+            finally:
+                setattr(module, inner, original)
+            if not isinstance(self.model, _WRAPPED[original]):
+                raise RuntimeError(f"moespec: {base.__name__} did not build its model from {inner}: the EAGLE-3 "
+                                   f"wrapper does not fit this vLLM version")
 
         def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
             L = self.config.num_hidden_layers
