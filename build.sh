@@ -10,7 +10,7 @@
 #                       cached in build/cache/default-model afterwards)
 #   ./build.sh test     build the native code as needed (not the default engine, which no test
 #                       needs), then run the C++ tests (ctest) and pytest; exits non-zero on any
-#                       failure (CI runs exactly this)
+#                       failure (CI runs this, then ./build.sh test-vllm)
 #   ./build.sh sanitize the C++ core, its CUDA stubs or kernels, the TensorRT plugins (with TensorRT_ROOT)
 #                       and their C++ tests built with AddressSanitizer and UndefinedBehaviorSanitizer in
 #                       build/sanitize, then ctest there (any report fails it)
