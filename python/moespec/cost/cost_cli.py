@@ -106,7 +106,9 @@ def run(args) -> int:
         return 0
     if args.command == "schedule":
         result = schedule(args)
-        print(format_schedule_result(result))
+        from moespec.cost.schedule import format_schedule
+
+        print(format_schedule(result))
         if args.out:
             write_json_atomic(Path(args.out), result)
             schedule_plot(result, Path(args.out).with_suffix(".png"))
@@ -215,12 +217,6 @@ def schedule(args) -> dict[str, Any]:
     return draft_schedule(target, hardware(args.hardware), transfer(target.num_experts, target.top_k, model),
                           acceptance=args.acceptance, depth=args.depth, max_batch=args.max_batch,
                           max_drafts=args.max_drafts, context=args.context, budget=args.budget)
-
-
-def format_schedule_result(r: dict[str, Any]) -> str:
-    from moespec.cost.schedule import format_schedule
-
-    return format_schedule(r)
 
 
 def schedule_plot(r: dict[str, Any], path: Path) -> None:

@@ -103,13 +103,11 @@ def tree_sizes(max_tokens: int = 64) -> list[str]:
 def scaled_acceptance(acceptance: float, depth: int, new_depth: int) -> float:
     """AL of a tree of ``new_depth`` levels given AL at ``depth`` levels, if each level's token is
     accepted with the same probability a: AL = 1 + a + ... + a^depth (solved for a, then re-applied)."""
+    from moespec.cost.schedule import per_level_acceptance
+
     if depth < 1 or acceptance <= 1:
         return acceptance
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        a = (lo + hi) / 2
-        lo, hi = (a, hi) if sum(a**d for d in range(depth + 1)) < acceptance else (lo, a)
-    a = (lo + hi) / 2
+    a = per_level_acceptance(min(acceptance, depth + 1), depth)
     return float(sum(a**d for d in range(new_depth + 1)))
 
 

@@ -22,10 +22,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from moespec.engine.folder import is_engine_folder, load_engine, read_manifest
+from moespec.models import DTYPES
 from moespec.engine.tensors import write_safetensors
-
-DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
-
 
 def export_hf(engine: str | Path, out: str | Path, *, force: bool = False, progress: bool = True) -> Path:
     """Writes the engine as a Hugging Face folder ``out`` (see the module docstring); returns it."""
@@ -51,7 +49,8 @@ def export_hf(engine: str | Path, out: str | Path, *, force: bool = False, progr
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        config = {k: v for k, v in config.items() if k != "torch_dtype"} | {"dtype": DTYPE_NAMES[manifest["dtype"]]}
+        dtype = str(DTYPES[manifest["dtype"]]).removeprefix("torch.")  # "bfloat16" | "float32"
+        config = {k: v for k, v in config.items() if k != "torch_dtype"} | {"dtype": dtype}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"}, progress=progress,
                           desc="export-hf")

@@ -35,7 +35,7 @@ from moespec.ops import ExpertBudget, RouterSpec, RoutingStats, route_experts
 
 logger = logging.getLogger("moespec.vllm")
 STATS: list[RoutingStats] = []  # every budgeted routing call's statistics, in order
-_STATE = {"verify": False, "passes": 0}
+_STATE = {"verify": False, "passes": 0, "budget": None}  # the pass's mark, the count, the installed budget
 
 
 def budget_from_env(value: Optional[str] = None) -> Optional[ExpertBudget]:
@@ -66,9 +66,6 @@ def router_spec(router) -> Optional[RouterSpec]:
     return None
 
 
-_BUDGET: dict[str, Optional[ExpertBudget]] = {"budget": None}  # the installed budget (the op reads it)
-
-
 @torch.library.custom_op("moespec_vllm::verify_budget", mutates_args=())
 def verify_budget(router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bias: Optional[torch.Tensor],
                   family: str, top_k: int, renormalize: bool, n_group: int, topk_group: int,
@@ -77,7 +74,7 @@ def verify_budget(router_logits: torch.Tensor, weights: torch.Tensor, ids: torch
 
     Opaque to torch.compile, so a compiled model (vLLM's CPU graph, CUDA graphs of eager ops aside)
     decides at run time, per pass, from the model runner's mark; otherwise copies of its inputs."""
-    budget = _BUDGET["budget"]
+    budget = _STATE["budget"]
     if not _STATE["verify"] or budget is None:
         return weights.clone(), ids.clone()
     spec = RouterSpec(family, top_k, renormalize, n_group=n_group, topk_group=topk_group, scaling=scaling)
@@ -112,7 +109,7 @@ def _wrap_routers(budget: ExpertBudget) -> None:
     budgeted ids through the router's own EPLB mapping (eager models only)."""
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-    _BUDGET["budget"] = budget
+    _STATE["budget"] = budget
     original = BaseRouter._select_experts
     if getattr(original, "_moespec", False):
         return
