@@ -19,27 +19,34 @@ import torch
 from hypothesis import given, settings, strategies as st
 from onnx import TensorProto, helper
 
+import test_deepseek_v3 as deepseek_fixtures
+import test_gpt_oss as gpt_oss_fixtures
 from models_fixtures import FAMILIES, ancestor_mask, assert_close, depths, write_checkpoint
 from moespec.engine.onnx_export import export_verify
-from moespec.engine.onnx_plugins import (
-    MOE, MOE_FIELDS, ROUTE, ROUTE_FIELDS, moe_fields, reference_functions, route_fields, with_reference_functions,
-)
+from moespec.engine.onnx_plugins import MOE, MOE_FIELDS, ROUTE, ROUTE_FIELDS, moe_fields, route_fields, with_reference_functions
 from moespec.models import load
 from moespec.ops import ExpertBudget, RouterSpec
 from moespec.ops.reference import moe_experts_reference, route_experts_reference
+from moespec.runtime.attention import cache_shapes
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# GPT-OSS: sinks, sliding windows (4: they bind), YaRN, router and expert biases, clamped experts;
+# DeepSeek-V3: MLA (with and without the q rank), interleaved rope, YaRN with mscale, group-limited
+# sigmoid routing with a correction bias, a dense first layer, an ungated shared expert.
+WRITERS = {family: (lambda out, family=family: write_checkpoint(family, out)) for family in FAMILIES}
+WRITERS.update({"gpt_oss": gpt_oss_fixtures.write, "deepseek_v3": lambda out: deepseek_fixtures.write(out, 24),
+                "deepseek_v3_q_proj": lambda out: deepseek_fixtures.write(out, None)})
+ALL = list(WRITERS)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """family -> fp32 TargetModel of its tiny random checkpoint (taps at layer 0)."""
     root = tmp_path_factory.mktemp("onnx")
-    out = {}
-    for family in FAMILIES:
-        out[family] = load(write_checkpoint(family, root / family), "fp32", taps=(0,))
-    return out
+    return {family: load(write(root / family), "fp32", taps=(0,)) for family, write in WRITERS.items()}
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -56,8 +63,9 @@ def run(sess: ort.InferenceSession, ids, positions, mask, past) -> dict[str, np.
 
 
 def empty_past(c, batch: int) -> dict[str, np.ndarray]:
-    shape = (batch, c.num_kv_heads, 0, c.head_dim)
-    return {f"past_{kind}_{i}": np.zeros(shape, np.float32) for i in range(c.num_layers) for kind in ("key", "value")}
+    shapes = dict(zip(("key", "value"), cache_shapes(c)))  # (heads, width): GQA's [Hkv, D], MLA's latent and rope key
+    return {f"past_{kind}_{i}": np.zeros((batch, shapes[kind][0], 0, shapes[kind][1]), np.float32)
+            for i in range(c.num_layers) for kind in ("key", "value")}
 
 
 def presents(res: dict[str, np.ndarray], c) -> dict[str, np.ndarray]:
@@ -98,14 +106,16 @@ def check_prefill_then_tree(model, budget, batch: int = 1) -> None:
             assert (got["expert_stats"][:, 1] <= budget.max_experts).all()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL)
 def test_network_equals_the_runtime(models, family):
     check_prefill_then_tree(models[family], None)
 
 
 @pytest.mark.parametrize("family,policy", [("qwen3_moe", "substitution"), ("qwen3_moe", "truncation"),
                                            ("qwen2_moe", "substitution"), ("mixtral", "truncation"),
-                                           ("olmoe", "substitution")])
+                                           ("olmoe", "substitution"), ("gpt_oss", "substitution"),
+                                           ("gpt_oss", "truncation"), ("deepseek_v3", "substitution"),
+                                           ("deepseek_v3_q_proj", "truncation")])
 def test_budgeted_network_equals_the_budgeted_runtime(models, family, policy):
     budget = ExpertBudget(5, policy)
     check_prefill_then_tree(models[family], budget)
@@ -149,7 +159,7 @@ def test_export_errors(models):
         export_verify(llama.config, llama.weights, taps=(9,))
     model = models["qwen3_moe"]
     proto = export_verify(model.config, model.weights, budget=ExpertBudget(5, coverage=0.5))
-    with pytest.raises(ValueError, match="covers the softmax family without coverage"):
+    with pytest.raises(ValueError, match="covers budgets without coverage"):
         with_reference_functions(proto)
 
 
@@ -162,48 +172,81 @@ def function_model(name: str, inputs: list[tuple[str, int, list]], outputs: list
                             plugin_namespace="moespec", plugin_version="1", **attrs)
     graph = helper.make_graph([node], "one", [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
                               [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("moespec", 1)],
-                              functions=reference_functions())
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("moespec", 1)])
     model.ir_version = 10
+    model = with_reference_functions(model)
     onnx.checker.check_model(model)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-@settings(max_examples=40, deadline=None)
-@given(T=st.integers(1, 12), N=st.integers(4, 24), K=st.integers(1, 4), extra=st.integers(0, 8),
-       policy=st.sampled_from(["substitution", "truncation", None]), renormalize=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
-def test_route_reference_equals_the_semantics(T, N, K, extra, policy, renormalize, seed):
-    K = min(K, N)
-    spec = RouterSpec("softmax", K, renormalize=renormalize)
+@st.composite
+def routers(draw):
+    """(RouterSpec, N): a router of any family, with deepseek_v3's groups (N / n_group >= 2 each)."""
+    family = draw(st.sampled_from(["softmax", "deepseek_v3", "gpt_oss"]))
+    if family == "deepseek_v3":
+        n_group = draw(st.sampled_from([1, 2, 4]))
+        N = n_group * draw(st.integers(2, 6))
+        topk_group = draw(st.integers(1, n_group))
+        K = draw(st.integers(1, min(4, topk_group * (N // n_group))))
+        return RouterSpec(family, K, draw(st.booleans()), n_group=n_group, topk_group=topk_group,
+                          scaling=draw(st.sampled_from([1.0, 2.5]))), N
+    N = draw(st.integers(4, 24))
+    return RouterSpec(family, draw(st.integers(1, 4)), draw(st.booleans()) and family == "softmax"), N
+
+
+@settings(max_examples=60, deadline=None)
+@given(router=routers(), T=st.integers(1, 12), extra=st.integers(0, 8),
+       policy=st.sampled_from(["substitution", "truncation", None]), seed=st.integers(0, 2**31 - 1))
+def test_route_reference_equals_the_semantics(router, T, extra, policy, seed):
+    spec, N = router
+    K = spec.top_k
     budget = ExpertBudget(min(K + extra, N), policy) if policy is not None else None
-    logits = torch.randn(T, N, generator=torch.Generator().manual_seed(seed)) * 3
-    sess = function_model(ROUTE, [("router_logits", TensorProto.FLOAT, [T, N])],
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, N, generator=g) * 3
+    bias = torch.randn(N, generator=g) * 0.5 if spec.family == "deepseek_v3" else None
+    inputs = [("router_logits", TensorProto.FLOAT, [T, N])] + ([("bias", TensorProto.FLOAT, [N])] if bias is not None else [])
+    sess = function_model(ROUTE, inputs,
                           [("ids", TensorProto.INT32, [T, K]), ("weights", TensorProto.FLOAT, [T, K]),
                            ("active", TensorProto.INT32, [N]), ("stats", TensorProto.INT32, [4])],
-                          route_fields(spec, budget))
-    ids, weights, active, stats = sess.run(None, {"router_logits": logits.numpy()})
-    want_ids, want_weights, want_active, want_stats = route_experts_reference(logits, spec, budget)
-    assert ids.tolist() == want_ids.tolist()
-    np.testing.assert_allclose(weights, want_weights.numpy(), rtol=1e-6, atol=1e-7)
+                          route_fields(spec, budget, has_bias=bias is not None))
+    feeds = {"router_logits": logits.numpy(), **({"bias": bias.numpy()} if bias is not None else {})}
+    ids, weights, active, stats = sess.run(None, feeds)
+    want_ids, want_weights, want_active, want_stats = route_experts_reference(logits, spec, budget, bias)
+    # (deepseek_v3's slots come unsorted from torch: compare each token's (id, weight) pairs as sets)
+    got = [sorted(zip(i, w)) for i, w in zip(ids.tolist(), weights.tolist())]
+    want = [sorted(zip(i, w)) for i, w in zip(want_ids.tolist(), want_weights.tolist())]
+    assert [[i for i, _ in row] for row in got] == [[i for i, _ in row] for row in want]
+    np.testing.assert_allclose([[w for _, w in row] for row in got], [[w for _, w in row] for row in want],
+                               rtol=1e-5, atol=1e-6)  # (onnxruntime's sigmoid and softmax differ from torch's by ulps)
+    if spec.family != "deepseek_v3":  # the softmax families' slots are in descending order, as torch's
+        assert ids.tolist() == want_ids.tolist()
     assert active[: want_active.numel()].tolist() == want_active.tolist() and (active[want_active.numel():] == N).all()
     assert stats.tolist() == [want_stats.natural_unique, want_stats.kept, want_stats.rerouted, want_stats.dropped]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(T=st.integers(1, 10), E=st.integers(1, 8), K=st.integers(1, 3), H=st.integers(1, 24), I=st.integers(1, 16),
-       seed=st.integers(0, 2**31 - 1))
-def test_moe_reference_equals_the_semantics(T, E, K, H, I, seed):
+       activation=st.sampled_from(["swiglu", "gpt_oss"]), seed=st.integers(0, 2**31 - 1))
+def test_moe_reference_equals_the_semantics(T, E, K, H, I, activation, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
     ids = torch.randint(0, E + 1, (T, K), generator=g, dtype=torch.int32)  # E: a dropped slot
     weights = torch.rand(T, K, generator=g) * (ids < E)
     experts = torch.randn(E, 3 * I * H, generator=g) * 0.3
-    sess = function_model(MOE, [("x", TensorProto.FLOAT, [T, H]), ("ids", TensorProto.INT32, [T, K]),
-                                ("weights", TensorProto.FLOAT, [T, K]), ("experts", TensorProto.FLOAT, [E, 3 * I * H])],
-                          [("out", TensorProto.FLOAT, [T, H])], moe_fields(I))
-    (out,) = sess.run(None, {"x": x.numpy(), "ids": ids.numpy(), "weights": weights.numpy(), "experts": experts.numpy()})
-    np.testing.assert_allclose(out, moe_experts_reference(x, ids, weights, experts, I).numpy(), rtol=1e-5, atol=1e-5)
+    gpt_oss = activation == "gpt_oss"
+    biases = torch.randn(E, 2 * I + H, generator=g) * 0.3 if gpt_oss else None
+    inputs = [("x", TensorProto.FLOAT, [T, H]), ("ids", TensorProto.INT32, [T, K]),
+              ("weights", TensorProto.FLOAT, [T, K]), ("experts", TensorProto.FLOAT, [E, 3 * I * H])]
+    feeds = {"x": x.numpy(), "ids": ids.numpy(), "weights": weights.numpy(), "experts": experts.numpy()}
+    if gpt_oss:
+        inputs.append(("biases", TensorProto.FLOAT, [E, 2 * I + H]))
+        feeds["biases"] = biases.numpy()
+    # (limit 1.5 so that the clamps bind on these inputs)
+    sess = function_model(MOE, inputs, [("out", TensorProto.FLOAT, [T, H])],
+                          moe_fields(I, activation, limit=1.5, alpha=1.702, has_biases=gpt_oss))
+    (out,) = sess.run(None, feeds)
+    want = moe_experts_reference(x, ids, weights, experts, I, activation=activation, biases=biases, limit=1.5)
+    np.testing.assert_allclose(out, want.numpy(), rtol=1e-5, atol=1e-5)
 
 
 # ---- moespec build --backend tensorrt ------------------------------------------------------------------
@@ -252,3 +295,44 @@ def test_build_backend_tensorrt(models, tmp_path):
     got = run(session(verify), [TREE], [[P + d for d in depths(PARENTS)]], mask, presents(got, c))
     assert_close(torch.from_numpy(got["logits"]), want.logits)
     assert got["expert_stats"].tolist() == want.expert_stats.tolist()
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_initializers_carry_the_engine_names(models, family):
+    """Every initializer is an engine tensor under its engine name and shape (and the rope table)."""
+    from moespec.engine.tensors import expected_shapes
+
+    model = models[family]
+    proto = export_verify(model.config, model.weights)
+    shapes = expected_shapes(model.config)
+    for t in proto.graph.initializer:
+        if t.name != "inv_freq":
+            assert tuple(t.dims) == tuple(shapes[t.name]), t.name
+
+
+def test_build_backend_tensorrt_mla_profile(tmp_path):
+    """DeepSeek-V3's engine: the profile's past shapes are MLA's cache (the latent and the rope key)."""
+    source = deepseek_fixtures.write(tmp_path / "src", 24)
+    out = tmp_path / "engine"
+    run_ = subprocess.run([sys.executable, "-m", "moespec", "build", "--model", str(source), "--out", str(out),
+                           "--dtype", "fp32", "--backend", "tensorrt", "--quiet"], capture_output=True, text=True,
+                          timeout=300)
+    assert run_.returncode == 0, run_.stderr
+    script = (out / "tensorrt" / "trtexec.sh").read_text()
+    maxes = dict(item.split(":") for item in re.search(r"--maxShapes=(\S+)", script).group(1).split(","))
+    R, rope = deepseek_fixtures.R, deepseek_fixtures.ROPE
+    assert maxes["past_key_1"].split("x")[1::2] == ["1", str(R)]
+    assert maxes["past_value_1"].split("x")[1::2] == ["1", str(rope)]
+    onnx.checker.check_model(str(out / "tensorrt" / "verify.onnx"), full_check=True)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_bf16_networks_of_the_new_families_pass_the_checker(family, tmp_path):
+    """bf16 GPT-OSS and DeepSeek-V3 networks type-check in full (every Cast between the float32 parts —
+    sinks, router, biases, scaled norms — and the bf16 ones in place)."""
+    model = load(WRITERS[family](tmp_path / "m"), "bf16")
+    proto = export_verify(model.config, model.weights, budget=ExpertBudget(3))
+    onnx.checker.check_model(proto, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.output}
+    assert types["logits"] == TensorProto.FLOAT and types["present_key_0"] == TensorProto.BFLOAT16

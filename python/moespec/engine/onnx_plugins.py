@@ -9,16 +9,21 @@ the same name (plugins/tensorrt/*_plugin.h has the tables):
 - ``MoespecRouteExperts``  router_logits [T, N] -> ids int32 [T, K] (dropped: N), weights float32
   [T, K], active int32 [N] (sorted, padded with N), stats int32 [4] (natural unique, kept,
   re-routed, dropped); routing + the expert budget of DESIGN.md "Expert budget".
-- ``MoespecBudgetedMoe``   x [T, H], ids, weights, experts [E, 3 I H] -> [T, H] in x's dtype.
+  (+ bias float32 [N] when ``has_bias``: deepseek_v3's selection bias).
+- ``MoespecBudgetedMoe``   x [T, H], ids, weights, experts [E, 3 I H] (+ biases float32 [E, 2 I + H]
+  when ``has_biases``: GPT-OSS) -> [T, H] in x's dtype.
 
 :func:`reference_functions` gives the same ops as ONNX model-local functions, for runtimes that do
 not have the plugins (onnxruntime on the CPU: the test that the exported network's logits equal
-moespec's runtime). They cover what the export emits: the softmax router family (Qwen3-MoE, OLMoE,
-Mixtral, Qwen2-MoE) with or without renormalisation, budgets by substitution or truncation, SwiGLU
-experts; the budget scores are summed in float64 as the native code sums them. They compute every
-expert for every token (a reference, not a kernel). TensorRT must see the plugin nodes themselves:
-the functions are attached only to the in-memory model a reference runtime loads (its parser
-would otherwise expand them).
+moespec's runtime), one function per variant (``MoespecRouteExperts_<family>``,
+``MoespecBudgetedMoe_<activation>``): the softmax family (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE) with
+or without renormalisation, deepseek_v3 (sigmoid, bias, group-limited top-k, scaling), gpt_oss
+(top-k of the biased logits, softmax over the k); budgets by substitution or truncation; SwiGLU and
+GPT-OSS experts. The budget scores are summed in float64 as the native code sums them. They compute
+every expert for every token (a reference, not a kernel). TensorRT must see the plugin nodes
+themselves: :func:`with_reference_functions` renames the nodes to their variants and attaches the
+functions only in the in-memory copy a reference runtime loads (the parser would otherwise expand
+them).
 """
 
 from __future__ import annotations
@@ -41,20 +46,26 @@ ROUTE_FIELDS = ("family", "top_k", "renormalize", "n_group", "topk_group", "scal
                 "coverage", "has_bias", "has_token_weights", "softmax_vector_width")
 MOE_FIELDS = ("intermediate_size", "activation", "limit", "alpha", "has_biases")
 _PLUGIN_ATTRS = ("plugin_namespace", "plugin_version")
+ACTIVATIONS = ("swiglu", "gpt_oss")  # the activation field's codes
+_FAMILY_NAMES = {code: name for name, code in _FAMILY_CODES.items()}  # the family field's codes
 
 
-def route_fields(spec: RouterSpec, budget: Optional[ExpertBudget]) -> dict[str, object]:
-    """MoespecRouteExperts' fields for ``spec`` and ``budget`` (None: no budget)."""
+def route_fields(spec: RouterSpec, budget: Optional[ExpertBudget], has_bias: bool = False) -> dict[str, object]:
+    """MoespecRouteExperts' fields for ``spec`` and ``budget`` (None: no budget); ``has_bias``: a
+    selection bias comes as the second input (deepseek_v3's e_score_correction_bias)."""
     max_experts, policy, coverage = budget_codes(budget)  # (the native ops' own codes)
     return {"family": _FAMILY_CODES[spec.family], "top_k": spec.top_k, "renormalize": int(spec.renormalize),
             "n_group": spec.n_group, "topk_group": spec.topk_group, "scaling": float(spec.scaling),
             "max_experts": max_experts, "policy": policy, "coverage": coverage,
-            "has_bias": 0, "has_token_weights": 0, "softmax_vector_width": 16}
+            "has_bias": int(has_bias), "has_token_weights": 0, "softmax_vector_width": 16}
 
 
-def moe_fields(intermediate_size: int) -> dict[str, object]:
-    """MoespecBudgetedMoe's fields for SwiGLU experts of ``intermediate_size``."""
-    return {"intermediate_size": intermediate_size, "activation": 0, "limit": 7.0, "alpha": 1.702, "has_biases": 0}
+def moe_fields(intermediate_size: int, activation: str = "swiglu", limit: float = 7.0, alpha: float = 1.702,
+               has_biases: bool = False) -> dict[str, object]:
+    """MoespecBudgetedMoe's fields for experts of ``intermediate_size`` ("swiglu", or "gpt_oss": the
+    clamped variant with ``limit`` and ``alpha``; ``has_biases``: the experts' biases come as input 5)."""
+    return {"intermediate_size": intermediate_size, "activation": ACTIVATIONS.index(activation), "limit": float(limit),
+            "alpha": float(alpha), "has_biases": int(has_biases)}
 
 
 def plugin_node(g: Graph, name: str, inputs: list[str], outputs: int, fields: dict[str, object]) -> list[str]:
@@ -67,15 +78,67 @@ def plugin_node(g: Graph, name: str, inputs: list[str], outputs: int, fields: di
 # ---- reference bodies ---------------------------------------------------------------------------
 
 
-def _route_function() -> onnx.FunctionProto:
+def _family_scores(g: Graph, family: str, logits: str, k1: str) -> tuple[str, str, str]:
+    """(prob, key, natural) of a router family: the full probability [T, N] float32 (the budget's
+    scores), the selection key [T, N] and the natural top-k ids int64 [T, K]."""
+    f32 = TensorProto.FLOAT
+    lf = g.op("Cast", logits, to=f32)
+    if family == "softmax":
+        prob = g.op("Softmax", lf, axis=-1)
+        return prob, prob, g.op("TopK", prob, k1, axis=-1, largest=1, sorted=1, outputs=2)[1]
+    if family == "gpt_oss":  # top-k of the logits (which hold the router bias), softmax over the k
+        return g.op("Softmax", lf, axis=-1), lf, g.op("TopK", lf, k1, axis=-1, largest=1, sorted=1, outputs=2)[1]
+    # deepseek_v3: sigmoid scores, the bias on the selection key, group-limited top-k
+    prob = g.op("Sigmoid", lf)
+    key = g.op("Add", prob, "bias")
+    shape = g.op("Shape", key)
+    t1, n = g.op("Slice", shape, g.const([0]), g.const([1])), g.op("Gather", shape, g.const(1), axis=0)
+    groups1 = g.op("Unsqueeze", g.attr_const("n_group"), g.const([0]))
+    per = g.op("Div", n, g.attr_const("n_group"))
+    grouped = g.op("Reshape", key, g.op("Concat", t1, groups1, g.const([-1]), axis=0))  # [T, G, N / G]
+    best2 = g.op("Unsqueeze", g.op("Min", per, g.const(2)), g.const([0]))
+    group_score = g.op("ReduceSum", g.op("TopK", grouped, best2, axis=-1, largest=1, sorted=1, outputs=2)[0],
+                       g.const([-1]), keepdims=0)  # [T, G]
+    kept_groups = g.op("TopK", group_score, g.op("Unsqueeze", g.attr_const("topk_group"), g.const([0])), axis=-1,
+                       largest=1, sorted=1, outputs=2)[1]
+    keep = g.op("ReduceMax", g.op("OneHot", kept_groups, groups1, g.const([0.0, 1.0], f32), axis=-1), g.const([1]),
+                keepdims=0)  # [T, G]
+    keep = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", keep, g.const([2])),
+                                g.op("Concat", t1, groups1, g.op("Unsqueeze", per, g.const([0])), axis=0)),
+                g.op("Concat", t1, g.const([-1]), axis=0))  # [T, N]
+    choice = g.op("Where", g.op("Cast", keep, to=TensorProto.BOOL), key, g.const(float("-inf"), f32))
+    return prob, key, g.op("TopK", choice, k1, axis=-1, largest=1, sorted=1, outputs=2)[1]
+
+
+def _family_weights(g: Graph, family: str, logits: str, prob: str, ids: str, n: str) -> str:
+    """The family's weights [T, K] float32 on the final slots ``ids`` (a dropped slot, id N, weighs 0)."""
+    f32 = TensorProto.FLOAT
+    kept = g.op("Less", ids, n)
+    slot = g.op("Min", ids, g.op("Sub", n, g.const(1)))
+    zero = g.const(0.0, f32)
+    renormalize = g.op("Equal", g.attr_const("renormalize"), g.const(1))
+    if family == "gpt_oss":
+        top = g.op("Where", kept, g.op("GatherElements", g.op("Cast", logits, to=f32), slot, axis=1),
+                   g.const(float("-inf"), f32))
+        any_kept = g.op("Cast", g.op("ReduceMax", g.op("Cast", kept, to=f32), g.const([1]), keepdims=1),
+                        to=TensorProto.BOOL)
+        return g.op("Where", any_kept, g.op("Softmax", top, axis=1), zero)
+    w = g.op("Where", kept, g.op("GatherElements", prob, slot, axis=1), zero)
+    total = g.op("ReduceSum", w, g.const([1]), keepdims=1)
+    if family == "softmax":
+        return g.op("Where", renormalize, g.op("Where", g.op("Greater", total, zero), g.op("Div", w, total), zero), w)
+    renormed = g.op("Div", w, g.op("Add", total, g.const(1e-20, f32)))
+    return g.op("Mul", g.op("Where", renormalize, renormed, w), g.attr_const("scaling", "float"))
+
+
+def _route_function(family: str) -> onnx.FunctionProto:
     g = Graph(ROUTE)
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     logits = "router_logits"
-    prob = g.op("Softmax", g.op("Cast", logits, to=f32), axis=-1)  # [T, N]
+    k1 = g.op("Unsqueeze", g.attr_const("top_k"), g.const([0]))
+    prob, key, natural = _family_scores(g, family, logits, k1)  # [T, N], [T, N], [T, K] int64
     n = g.op("Gather", g.op("Shape", prob), g.const(1), axis=0)  # N (scalar)
     n1 = g.op("Unsqueeze", n, g.const([0]))  # [1]
-    k1 = g.op("Unsqueeze", g.attr_const("top_k"), g.const([0]))
-    natural = g.op("TopK", prob, k1, axis=-1, largest=1, sorted=1, outputs=2)[1]  # [T, K] int64
     onoff = g.const([0.0, 1.0], f32)
     # the budget: top-B experts by summed probability (float64), when B > 0 and the natural union exceeds it
     score = g.op("ReduceSum", g.op("Cast", prob, to=TensorProto.DOUBLE), g.const([0]), keepdims=0)  # [N]
@@ -90,7 +153,7 @@ def _route_function() -> onnx.FunctionProto:
     in_set = g.op("Or", g.op("Cast", in_top, to=TensorProto.BOOL), g.op("Not", binds))  # [N]
     outside = g.op("Not", g.op("Gather", in_set, natural, axis=0))  # [T, K]
     # substitution: a token with an expert outside the set takes its top-k inside it
-    masked = g.op("Where", in_set, prob, g.const(float("-inf"), f32))
+    masked = g.op("Where", in_set, key, g.const(float("-inf"), f32))
     moved = g.op("TopK", masked, k1, axis=-1, largest=1, sorted=1, outputs=2)[1]
     any_out = g.op("Cast", g.op("ReduceMax", g.op("Cast", outside, to=f32), g.const([1]), keepdims=1),
                    to=TensorProto.BOOL)  # [T, 1]
@@ -98,20 +161,13 @@ def _route_function() -> onnx.FunctionProto:
     truncated = g.op("Where", outside, n, natural)  # dropped slots hold N
     is_sub = g.op("Equal", g.attr_const("policy"), g.const(0))
     ids = g.op("Where", is_sub, substituted, truncated)  # [T, K] int64
-    # the family's weights on the final slots, renormalised when asked
-    kept = g.op("Less", ids, n)
-    slot = g.op("Min", ids, g.op("Sub", n, g.const(1)))
-    zero = g.const(0.0, f32)
-    w = g.op("Where", kept, g.op("GatherElements", prob, slot, axis=1), zero)
-    total = g.op("ReduceSum", w, g.const([1]), keepdims=1)
-    renormed = g.op("Where", g.op("Greater", total, zero), g.op("Div", w, total), zero)
-    weights = g.op("Where", g.op("Equal", g.attr_const("renormalize"), g.const(1)), renormed, w)
+    weights = _family_weights(g, family, logits, prob, ids, n)
     # active experts (sorted, padded with N) and the stats
     used = g.op("Slice", g.op("ReduceMax", g.op("OneHot", ids, g.op("Add", n1, g.const([1])), onoff, axis=-1),
                               g.const([0, 1]), keepdims=0), g.const([0]), n1)  # [N] 0/1
     arange = g.op("Range", g.const(0), n, g.const(1))
-    key = g.op("Where", g.op("Cast", used, to=TensorProto.BOOL), arange, n)
-    active = g.op("TopK", key, n1, axis=0, largest=0, sorted=1, outputs=2)[0]
+    key_ = g.op("Where", g.op("Cast", used, to=TensorProto.BOOL), arange, n)
+    active = g.op("TopK", key_, n1, axis=0, largest=0, sorted=1, outputs=2)[0]
     same = g.op("Equal", g.op("Unsqueeze", ids, g.const([2])), g.op("Unsqueeze", natural, g.const([1])))  # [T, K, K]
     fresh = g.op("Not", g.op("Cast", g.op("ReduceMax", g.op("Cast", same, to=f32), g.const([2]), keepdims=0),
                              to=TensorProto.BOOL))
@@ -124,12 +180,14 @@ def _route_function() -> onnx.FunctionProto:
     g.op("Identity", weights, outputs=["weights"])
     g.op("Cast", active, to=i32, outputs=["active"])
     g.op("Cast", stats, to=i32, outputs=["stats"])
-    return g.function(ROUTE, [logits], ["ids", "weights", "active", "stats"], ROUTE_FIELDS + _PLUGIN_ATTRS,
-                      doc="Reference of the MoespecRouteExperts plugin: softmax family, budget by substitution or "
-                          "truncation.")
+    inputs = [logits, "bias"] if family == "deepseek_v3" else [logits]
+    return g.function(reference_name(ROUTE, family), inputs, ["ids", "weights", "active", "stats"],
+                      ROUTE_FIELDS + _PLUGIN_ATTRS,
+                      doc=f"Reference of the MoespecRouteExperts plugin, {family} family: budget by substitution or "
+                          f"truncation.")
 
 
-def _moe_function() -> onnx.FunctionProto:
+def _moe_function(activation: str) -> onnx.FunctionProto:
     g = Graph(MOE)
     f32 = TensorProto.FLOAT
     x, ids, weights, experts = "x", "ids", "weights", "experts"
@@ -146,9 +204,21 @@ def _moe_function() -> onnx.FunctionProto:
     xf = g.op("Cast", x, to=f32)  # [T, H]
     g_ = g.op("MatMul", xf, g.op("Transpose", gate, perm=[0, 2, 1]))  # [E, T, I]
     u_ = g.op("MatMul", xf, g.op("Transpose", up, perm=[0, 2, 1]))
-    h = g.op("Mul", g.op("Mul", g_, g.op("Sigmoid", g_)), u_)
+    if activation == "gpt_oss":  # biases [E, 2 I + H]: gate, up, down; clamped gate and up
+        b_gate, b_up, b_down = g.op("Split", "biases", g.op("Concat", i1, i1, h1, axis=0), axis=1, outputs=3)
+        g_ = g.op("Add", g_, g.op("Unsqueeze", b_gate, g.const([1])))
+        u_ = g.op("Add", u_, g.op("Unsqueeze", b_up, g.const([1])))
+        limit = g.attr_const("limit", "float")
+        g_ = g.op("Min", g_, limit)
+        u_ = g.op("Max", g.op("Min", u_, limit), g.op("Neg", limit))
+        glu = g.op("Mul", g_, g.op("Sigmoid", g.op("Mul", g_, g.attr_const("alpha", "float"))))
+        h = g.op("Mul", g.op("Add", u_, g.const(1.0, f32)), glu)
+    else:
+        h = g.op("Mul", g.op("Mul", g_, g.op("Sigmoid", g_)), u_)
     h = g.op("Cast", g.op("CastLike", h, experts), to=f32)  # rounded to the weights' dtype before down
     y = g.op("MatMul", h, g.op("Transpose", down, perm=[0, 2, 1]))  # [E, T, H]
+    if activation == "gpt_oss":
+        y = g.op("Add", y, g.op("Unsqueeze", b_down, g.const([1])))
     onehot = g.op("OneHot", g.op("Cast", ids, to=TensorProto.INT64), g.op("Add", e1, g.const([1])),
                   g.const([0.0, 1.0], f32), axis=-1)  # [T, K, E + 1]
     combine = g.op("ReduceSum", g.op("Mul", onehot, g.op("Unsqueeze", weights, g.const([2]))), g.const([1]),
@@ -157,33 +227,49 @@ def _moe_function() -> onnx.FunctionProto:
     out = g.op("ReduceSum", g.op("Mul", g.op("Unsqueeze", g.op("Transpose", combine, perm=[1, 0]), g.const([2])), y),
                g.const([0]), keepdims=0)  # [T, H]
     g.op("CastLike", out, x, outputs=["out"])
-    return g.function(MOE, [x, ids, weights, experts], ["out"], MOE_FIELDS + _PLUGIN_ATTRS,
-                      doc="Reference of the MoespecBudgetedMoe plugin: SwiGLU experts, fp32 sums.")
+    inputs = [x, ids, weights, experts] + (["biases"] if activation == "gpt_oss" else [])
+    return g.function(reference_name(MOE, activation), inputs, ["out"], MOE_FIELDS + _PLUGIN_ATTRS,
+                      doc=f"Reference of the MoespecBudgetedMoe plugin, {activation} experts: fp32 sums.")
+
+
+def reference_name(plugin: str, variant: str) -> str:
+    """The model-local function that runs ``plugin``'s ``variant`` (a router family, or an activation)."""
+    return f"{plugin}_{variant}"
 
 
 def reference_functions() -> list[onnx.FunctionProto]:
-    """The plugin ops' reference bodies, as model-local functions."""
-    return [_route_function(), _moe_function()]
+    """The plugin ops' reference bodies, as model-local functions: one per router family and activation."""
+    return [_route_function(f) for f in _FAMILY_CODES] + [_moe_function(a) for a in ACTIVATIONS]
 
 
-def check_reference_supports(model: onnx.ModelProto) -> None:
-    """ValueError when a plugin node uses a variant the reference bodies do not implement."""
-    for node in model.graph.node:
-        if node.domain != PLUGIN_DOMAIN:
-            continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type == ROUTE and (attrs["family"] != 0 or attrs["coverage"] != 0 or attrs["has_bias"]
-                                      or attrs["has_token_weights"]):
-            raise ValueError(f"{node.name}: the reference MoespecRouteExperts covers the softmax family without "
-                             f"coverage, bias or token weights")
-        if node.op_type == MOE and (attrs["activation"] != 0 or attrs["has_biases"]):
-            raise ValueError(f"{node.name}: the reference MoespecBudgetedMoe covers SwiGLU experts without biases")
+def reference_variant(node: onnx.NodeProto) -> str:
+    """The reference function a plugin node runs as; ValueError when the node uses a variant the
+    reference bodies do not implement."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == ROUTE:
+        if attrs["coverage"] != 0 or attrs["has_token_weights"]:
+            raise ValueError(f"{node.name}: the reference MoespecRouteExperts covers budgets without coverage or "
+                             f"token weights")
+        family = _FAMILY_NAMES.get(attrs["family"])
+        if family is None or attrs["has_bias"] != (family == "deepseek_v3"):
+            raise ValueError(f"{node.name}: the reference MoespecRouteExperts takes a bias exactly for the "
+                             f"deepseek_v3 family (family {attrs['family']}, has_bias {attrs['has_bias']})")
+        return reference_name(ROUTE, family)
+    if node.op_type == MOE:
+        if not 0 <= attrs["activation"] < len(ACTIVATIONS) or attrs["has_biases"] != (attrs["activation"] == 1):
+            raise ValueError(f"{node.name}: the reference MoespecBudgetedMoe covers SwiGLU experts without biases "
+                             f"and GPT-OSS experts with them")
+        return reference_name(MOE, ACTIVATIONS[attrs["activation"]])
+    raise ValueError(f"{node.name}: {node.op_type} is not a moespec plugin with a reference body")
 
 
 def with_reference_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose plugin nodes run as the reference functions (for onnxruntime)."""
-    check_reference_supports(model)
+    """A copy of ``model`` whose plugin nodes run as the reference functions (for onnxruntime): each
+    node is renamed to its variant's function, which the copy carries."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    for node in out.graph.node:
+        if node.domain == PLUGIN_DOMAIN:
+            node.op_type = reference_variant(node)
     out.functions.extend(reference_functions())
     return out

@@ -37,6 +37,7 @@ from moespec.engine.onnx_export import export_verify
 from moespec.engine.onnx_plugins import MOE, PLUGIN_VERSION, ROUTE
 from moespec.engine.tensors import file_sha256
 from moespec.ops import ExpertBudget
+from moespec.runtime.attention import cache_shapes
 
 FOLDER = "tensorrt"
 DATA = "weights.onnx.data"
@@ -71,11 +72,11 @@ class Profile:
         out["position_ids"] = out["input_ids"]
         out["attention_mask"] = ([1, 1, 1], [1, opt_t, opt_p + opt_t], [self.max_batch, self.max_tokens,
                                                                          self.max_seq_len])
-        kv = (config.num_kv_heads, config.head_dim)
+        kv = dict(zip(("key", "value"), cache_shapes(config)))  # (heads, width): GQA [Hkv, D]; MLA latent, rope key
         for i in range(config.num_layers):
-            for kind in ("key", "value"):
-                out[f"past_{kind}_{i}"] = ([1, kv[0], 0, kv[1]], [1, kv[0], opt_p, kv[1]],
-                                           [self.max_batch, kv[0], max_p, kv[1]])
+            for kind, (heads, width) in kv.items():
+                out[f"past_{kind}_{i}"] = ([1, heads, 0, width], [1, heads, opt_p, width],
+                                           [self.max_batch, heads, max_p, width])
         return out
 
 
