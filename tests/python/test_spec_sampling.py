@@ -90,3 +90,45 @@ def test_speculative_sampling_emits_the_targets_distribution(params):
     freq = counts / draws
     se = (want * (1 - want) / draws).sqrt()
     assert torch.all((freq - want).abs() <= 4 * se + 1e-3), (freq - want).abs().max()
+
+
+def _tree(tokens: list[int], parents: list[int]):
+    """The DraftTree of node lists (parents[i] < i, node 0 the root)."""
+    from moespec.spec.tree import Candidates, tree_from_selection
+
+    n = len(tokens)
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    cands = Candidates(tokens=torch.tensor(tokens[1:], dtype=torch.long),
+                       parents=torch.tensor([p - 1 for p in parents[1:]], dtype=torch.int32),
+                       depth=torch.tensor(depth[1:], dtype=torch.int32), scores=torch.zeros(n - 1))
+    return tree_from_selection(tokens[0], cands, range(n - 1))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(1, 14)), min_size=1, max_size=4), st.integers(0, 2**31 - 1))
+def test_batched_greedy_acceptance_equals_the_walk(sizes, seed):
+    """accept_greedy_trees (vectorised, one copy back) gives each tree exactly accept()'s greedy path and
+    tokens: duplicate sibling tokens (the lowest-index child wins), unequal sizes, requests without a tree."""
+    from moespec.spec.sampling import accept_greedy_trees
+
+    g = torch.Generator().manual_seed(seed)
+    V = 4  # few tokens: matches and duplicate siblings are common
+    trees, want = [], []
+    T = max([n for n in sizes if n] or [1])
+    logits = torch.randn(len(sizes), T, V, generator=g)
+    for b, n in enumerate(sizes):
+        if n is None:
+            trees.append(None)
+            want.append(None)
+            continue
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        tokens = [int(torch.randint(0, V, (1,), generator=g)) for _ in range(n)]
+        trees.append(_tree(tokens, parents))
+        want.append(accept(tokens, parents, logits[b, :n], SamplingParams()))
+    got = accept_greedy_trees(trees, logits)
+    for g_, w in zip(got, want):
+        assert (g_ is None) == (w is None)
+        if w is not None:
+            assert (g_.path, g_.tokens) == (w.path, w.tokens)

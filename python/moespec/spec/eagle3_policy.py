@@ -33,7 +33,7 @@ import torch
 from moespec.models import TargetModel
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
 from moespec.spec.policies import Run, _cache_len
-from moespec.spec.sampling import accept, sample
+from moespec.spec.sampling import accept, accept_greedy_trees, sample
 from moespec.spec.tree import TreeBuilder
 
 
@@ -124,15 +124,17 @@ class Eagle3Policy:
         out = self.target.verify_trees(run.cache, [t if a else None for t, a in zip(trees, active)],
                                        budget=self.budget)
         verify_s = time.perf_counter() - verify_start
-        tokens = [trees[b].tokens.tolist() if a else [] for b, a in enumerate(active)]  # (accept's lists)
         parents = run.cache.pending.parents
         run.last_expert_stats = out.expert_stats
         run.last_predicted_unique = None if self.selector is None else self.selector.predicted_unique
-        # greedy rows' argmax for the whole batch at once: one copy back from the device per step
-        choices = out.logits.argmax(dim=-1).tolist() if any(r.params.greedy for r in batch) else None  # [B, T]
-        accepted = [accept(tokens[b], parents[b], out.logits[b, : len(tokens[b])], r.params, r.generator,
-                           choice=choices[b][: len(tokens[b])] if r.params.greedy else None)
-                    if active[b] else None for b, r in enumerate(batch)]
+        # greedy requests accept where the logits are, all at once (one copy back per step); sampled ones
+        # draw with their own generators on the host
+        greedy = [a and r.params.greedy for r, a in zip(batch, active)]
+        accepted = accept_greedy_trees([t if gr else None for t, gr in zip(trees, greedy)], out.logits)
+        for b, r in enumerate(batch):
+            if active[b] and not greedy[b]:
+                n = trees[b].num_nodes
+                accepted[b] = accept(trees[b].tokens.tolist(), parents[b], out.logits[b, :n], r.params, r.generator)
         self.target.commit(run.cache, [a.path if a else [] for a in accepted])
         self._catch_up(run, [a.tokens if a else [] for a in accepted], self._path_features(out.hidden, accepted))
         if self.selector is not None:  # what the step cost besides its verify pass prices the next tree

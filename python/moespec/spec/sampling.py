@@ -16,9 +16,12 @@ Dimensions: M + 1 tree nodes (node 0 the root), V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from moespec.spec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -95,15 +98,15 @@ def children_of(parents: Sequence[int]) -> list[list[int]]:
 
 
 def accept(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, params: SamplingParams,
-           generator: Optional[torch.Generator] = None, choice: Optional[Sequence[int]] = None) -> Acceptance:
+           generator: Optional[torch.Generator] = None) -> Acceptance:
     """Accepts a path of one verified tree: ``tokens``/``parents`` [M + 1], target ``logits`` [M + 1, V]
-    (row i: the target's next-token logits after node i). ``choice``: greedy only, the rows' argmax
-    when the caller has them (a batch's argmax in one copy from the GPU)."""
+    (row i: the target's next-token logits after node i). (A batch of greedy trees:
+    :func:`accept_greedy_trees`, one copy back from the device.)"""
     kids = children_of(parents)
     path, out = [0], []
     node = 0
     if params.greedy:
-        choice = logits.argmax(dim=-1).tolist() if choice is None else choice  # [M + 1]
+        choice = logits.argmax(dim=-1).tolist()  # [M + 1]
         while True:
             nxt = next((c for c in kids[node] if tokens[c] == choice[node]), None)
             if nxt is None:
@@ -133,3 +136,42 @@ def accept(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, 
         path.append(taken)
         out.append(tokens[taken])
         node = taken
+
+
+def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Tensor) -> list[Optional[Acceptance]]:
+    """Greedy acceptance of a batch of verified trees where the logits are (the GPU: no host work per
+    node, one copy back per call): ``trees[b]`` request b's tree (None: not verified), ``logits``
+    [B, T, V] the verify pass's (row i of request b: after node i). The same paths and tokens as
+    :func:`accept` with greedy params gives for each tree: at each depth the lowest-index child of
+    the path's last node whose token is the target's argmax there."""
+    live = [t for t in trees if t is not None]
+    if not live:
+        return [None] * len(trees)
+    B, T, dev = len(trees), logits.shape[1], logits.device
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    parents = torch.full((B, T), -2, dtype=torch.long)  # -2: no node (matches no path node)
+    for b, t in enumerate(trees):
+        if t is not None:
+            tokens[b, : t.num_nodes], parents[b, : t.num_nodes] = t.tokens.cpu(), t.parents.cpu().long()
+    depth = max(t.paths.shape[1] - 1 for t in live)  # the deepest tree's depth (host tensors: no sync)
+    tokens, parents = tokens.to(dev, non_blocking=True), parents.to(dev, non_blocking=True)
+    choice = logits.argmax(dim=-1)  # [B, T]
+    index = torch.arange(T, device=dev)[None, :]
+    match = (parents >= 0) & (tokens == choice.gather(1, parents.clamp(min=0)))  # [B, T]
+    node = torch.zeros(B, 1, dtype=torch.long, device=dev)  # the path's last node
+    path = [node]
+    for _ in range(depth):
+        child = torch.where(match & (parents == node), index, T).min(dim=1, keepdim=True).values  # [B, 1]
+        node = torch.where(child < T, child, node)
+        path.append(torch.where(child < T, child, -1))
+    path = torch.cat(path, dim=1)  # [B, depth + 1], -1 past the end
+    emitted = torch.cat([tokens.gather(1, path[:, 1:].clamp(min=0)), choice.gather(1, node)], dim=1)
+    host = torch.cat([path, emitted], dim=1).cpu().tolist()  # the one copy back
+    out: list[Optional[Acceptance]] = []
+    for b, row in enumerate(host):
+        if trees[b] is None:
+            out.append(None)
+            continue
+        n = next((i for i, v in enumerate(row[: depth + 1]) if v < 0), depth + 1)  # accepted nodes, root included
+        out.append(Acceptance(row[:n], row[depth + 1: depth + n] + [row[2 * depth + 1]]))
+    return out
