@@ -106,27 +106,35 @@ std::unique_ptr<nvinfer1::IPluginV3> make(Fields& f) {
 
 }  // namespace
 
-TEST(route_experts_enqueue_equals_the_cpu) {
+// One routing case: the plugin's enqueue on device buffers against the C++ CPU op, per budget.
+void check_route_enqueue(int32_t family, int32_t n_group, int32_t topk_group, bool has_bias) {
   constexpr int64_t T = 37, N = 64, K = 8;
-  std::mt19937 rng(7);
+  std::mt19937 rng(7 + family);
   std::normal_distribution<float> normal(0.0f, 2.0f);
-  std::vector<float> logits(T * N);
+  std::vector<float> logits(T * N), bias(N);
   for (float& v : logits) v = normal(rng);
+  for (float& v : bias) v = normal(rng) * 0.1f;
   for (int32_t budget : {0, 16}) {
     Fields f;
-    f.i32("top_k", K).i32("renormalize", 1).i32("max_experts", budget).i32("policy", 0);
+    f.i32("family", family).i32("top_k", K).i32("renormalize", family == 2 ? 0 : 1).i32("n_group", n_group)
+        .i32("topk_group", topk_group).i32("max_experts", budget).i32("policy", 0).i32("has_bias", has_bias ? 1 : 0);
+    if (family == 1) f.f32("scaling", 2.5f);
     auto p = make<moespec::trt::RouteExpertsPluginCreator>(f);
     CHECK(p != nullptr);
     if (!p) return;
-    const std::vector<PluginTensorDesc> in = {tensor(DataType::kFLOAT, {T, N})};
+    std::vector<PluginTensorDesc> in = {tensor(DataType::kFLOAT, {T, N})};
+    if (has_bias) in.push_back(tensor(DataType::kFLOAT, {N}));
     const std::vector<PluginTensorDesc> out = {tensor(DataType::kINT32, {T, K}), tensor(DataType::kFLOAT, {T, K}),
                                                tensor(DataType::kINT32, {N}), tensor(DataType::kINT32, {4})};
-    DeviceBuffer d_logits(logits);
-    auto got = enqueue(*p, in, {&d_logits}, out, workspace_of(*p, in, out));
+    DeviceBuffer d_logits(logits), d_bias(bias);
+    std::vector<DeviceBuffer*> buffers = {&d_logits};
+    if (has_bias) buffers.push_back(&d_bias);
+    auto got = enqueue(*p, in, buffers, out, workspace_of(*p, in, out));
     std::vector<int32_t> ids(T * K), active(N), stats(4);
     std::vector<float> weights(T * K);
     moespec::RouteExpertsArgs args;
     args.router_logits = TensorView::contiguous(logits.data(), DType::kFloat32, {T, N});
+    if (has_bias) args.bias = TensorView::contiguous(bias.data(), DType::kFloat32, {N});
     args.ids = TensorView::contiguous(ids.data(), DType::kInt32, {T, K});
     args.weights = TensorView::contiguous(weights.data(), DType::kFloat32, {T, K});
     args.active = TensorView::contiguous(active.data(), DType::kInt32, {N});
@@ -134,44 +142,68 @@ TEST(route_experts_enqueue_equals_the_cpu) {
     args.spec = dynamic_cast<moespec::trt::RouteExpertsPlugin&>(*p).fields().spec();
     args.budget = dynamic_cast<moespec::trt::RouteExpertsPlugin&>(*p).fields().budget();
     moespec::cpu::route_experts(args);
-    CHECK(got[0]->host<int32_t>() == ids && got[2]->host<int32_t>() == active && got[3]->host<int32_t>() == stats);
+    const std::string what = "family " + std::to_string(family) + ", budget " + std::to_string(budget);
+    CHECK_MSG(got[0]->host<int32_t>() == ids && got[2]->host<int32_t>() == active && got[3]->host<int32_t>() == stats,
+              what);
     const std::vector<float> w = got[1]->host<float>();
-    for (size_t i = 0; i < w.size(); ++i) CHECK_MSG(std::fabs(w[i] - weights[i]) <= 1e-6f, std::to_string(i));
+    for (size_t i = 0; i < w.size(); ++i) CHECK_MSG(std::fabs(w[i] - weights[i]) <= 1e-5f, what + ", slot " + std::to_string(i));
   }
 }
 
-TEST(moe_experts_enqueue_equals_the_cpu) {
+TEST(route_experts_enqueue_equals_the_cpu) {
+  check_route_enqueue(0, 1, 1, false);  // softmax (Qwen3-MoE, OLMoE, Mixtral)
+  check_route_enqueue(1, 8, 4, true);   // deepseek_v3: correction bias, 8 groups, 4 kept
+  check_route_enqueue(2, 1, 1, false);  // gpt_oss
+}
+
+// One MoE case: SwiGLU, or GPT-OSS's clamped experts with their biases (activation 1).
+void check_moe_enqueue(int32_t activation) {
   constexpr int64_t T = 24, H = 64, I = 32, E = 16, K = 4;
-  std::mt19937 rng(11);
+  std::mt19937 rng(11 + activation);
   std::normal_distribution<float> normal(0.0f, 0.5f);
-  std::vector<float> x(T * H), experts(E * 3 * I * H), weights(T * K);
+  std::vector<float> x(T * H), experts(E * 3 * I * H), weights(T * K), biases(E * (2 * I + H));
   std::vector<int32_t> ids(T * K);
   for (float& v : x) v = normal(rng);
   for (float& v : experts) v = normal(rng) * 0.2f;
+  for (float& v : biases) v = normal(rng) * 0.3f;
   for (int64_t i = 0; i < T * K; ++i) ids[i] = static_cast<int32_t>(rng() % (E + 1)), weights[i] = (rng() % 100) / 100.0f;
+  const bool gpt_oss = activation == 1;
   Fields f;
-  f.i32("intermediate_size", I);
+  f.i32("intermediate_size", I).i32("activation", activation).i32("has_biases", gpt_oss ? 1 : 0);
+  if (gpt_oss) f.f32("limit", 0.5f);  // (small, so that the clamps bind)
   auto p = make<moespec::trt::MoeExpertsPluginCreator>(f);
   CHECK(p != nullptr);
   if (!p) return;
-  const std::vector<PluginTensorDesc> in = {tensor(DataType::kFLOAT, {T, H}), tensor(DataType::kINT32, {T, K}),
-                                            tensor(DataType::kFLOAT, {T, K}), tensor(DataType::kFLOAT, {E, 3 * I * H})};
+  std::vector<PluginTensorDesc> in = {tensor(DataType::kFLOAT, {T, H}), tensor(DataType::kINT32, {T, K}),
+                                      tensor(DataType::kFLOAT, {T, K}), tensor(DataType::kFLOAT, {E, 3 * I * H})};
+  if (gpt_oss) in.push_back(tensor(DataType::kFLOAT, {E, 2 * I + H}));
   const std::vector<PluginTensorDesc> out = {tensor(DataType::kFLOAT, {T, H})};
-  DeviceBuffer dx(x), dids(ids), dw(weights), de(experts);
-  auto got = enqueue(*p, in, {&dx, &dids, &dw, &de}, out, workspace_of(*p, in, out));
+  DeviceBuffer dx(x), dids(ids), dw(weights), de(experts), db(biases);
+  std::vector<DeviceBuffer*> buffers = {&dx, &dids, &dw, &de};
+  if (gpt_oss) buffers.push_back(&db);
+  auto got = enqueue(*p, in, buffers, out, workspace_of(*p, in, out));
   std::vector<float> want(T * H);
   moespec::MoeExpertsArgs args;
   args.x = TensorView::contiguous(x.data(), DType::kFloat32, {T, H});
   args.ids = TensorView::contiguous(ids.data(), DType::kInt32, {T, K});
   args.weights = TensorView::contiguous(weights.data(), DType::kFloat32, {T, K});
   args.experts = TensorView::contiguous(experts.data(), DType::kFloat32, {E, 3 * I * H});
+  if (gpt_oss) args.biases = TensorView::contiguous(biases.data(), DType::kFloat32, {E, 2 * I + H});
   args.out = TensorView::contiguous(want.data(), DType::kFloat32, {T, H});
   args.intermediate_size = I;
+  args.activation = gpt_oss ? moespec::ExpertActivation::kGptOss : moespec::ExpertActivation::kSwiGLU;
+  args.limit = 0.5f;
   moespec::cpu::moe_experts(args);
   const std::vector<float> y = got[0]->host<float>();
   float scale = 0.0f, err = 0.0f;
   for (size_t i = 0; i < y.size(); ++i) scale = std::fmax(scale, std::fabs(want[i])), err = std::fmax(err, std::fabs(y[i] - want[i]));
-  CHECK_MSG(err <= 1e-5f * std::fmax(scale, 1.0f), "max |d| = " + std::to_string(err));
+  CHECK_MSG(err <= 1e-5f * std::fmax(scale, 1.0f), "activation " + std::to_string(activation) + ": max |d| = " +
+                                                        std::to_string(err));
+}
+
+TEST(moe_experts_enqueue_equals_the_cpu) {
+  check_moe_enqueue(0);
+  check_moe_enqueue(1);
 }
 
 TEST(tree_select_enqueue_equals_the_cpu_selection_and_tree) {
