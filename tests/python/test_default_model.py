@@ -271,6 +271,12 @@ def test_recipe_key_is_stable_and_tracks_every_setting():
     tree_changed = replace(base, tree=replace(base.tree, depth=base.tree.depth + 1))
     assert (tree_changed.moe_key(), tree_changed.draft_key()) == (base.moe_key(), base.draft_key())
     assert tree_changed.key() != base.key()
+    # stage 2 (fine-tuning) keys the engine's head, not the stage-1 head it starts from
+    tuned = replace(base, head=replace(base.head, finetune_steps=base.head.finetune_steps + 1))
+    assert tuned.base_head_key() == base.base_head_key() and tuned.draft_key() != base.draft_key()
+    assert tuned.predictor_key() != base.predictor_key()
+    off = replace(base, head=replace(base.head, finetune_steps=0))
+    assert off.draft_key() == off.base_head_key() == base.base_head_key()
 
 
 def test_head_corpus_prompt_texts_respect_the_split(tmp_path):
@@ -524,3 +530,49 @@ def test_tied_refit_ties_every_copy_of_a_neuron(teacher):
         for i, j in enumerate(ids):
             col = down[e, :, i]
             assert torch.equal(column.setdefault(j, col), col), f"neuron {j} untied in expert {e}"
+
+
+def test_ensure_head_trains_stage_one_then_stage_two_from_it(tmp_path, monkeypatch):
+    """The head pipeline's stages (the training itself is test_train_draft's): stage 1 on the head corpus
+    and the continuations into draft-<base key>, stage 2 from it on the continuations alone into
+    draft-<draft key>; both cached afterwards; without stage 2 the stage-1 head is the engine's."""
+    import json
+    from dataclasses import replace
+
+    from moespec.default_model import pipeline as pl
+
+    calls = []
+
+    def fake_train(moe_dir, files, out, h, *, steps, lr, seed, init, progress):
+        calls.append((out.name, [f.name for f in files], steps, lr, seed, None if init is None else init.name))
+        out.mkdir(parents=True)
+        for name in ("model.safetensors", "config.json", "train_log.json"):
+            (out / name).write_text(json.dumps({}))
+
+    def fake_corpus(path, *args, **kwargs):
+        path.write_text("")
+        return {}
+
+    def fake_self(cache, moe_dir, recipe, progress=True):
+        own = cache / f"self-distilled-{recipe.self_distill_key()}.jsonl"
+        own.write_text("")
+        return own
+
+    monkeypatch.setattr(pl, "_train", fake_train)
+    monkeypatch.setattr(pl, "write_head_corpus", fake_corpus)
+    monkeypatch.setattr(pl, "ensure_self_distilled", fake_self)
+    monkeypatch.setattr(pl, "shipped_head", lambda key: None)
+    base = pl.Recipe()
+    tuned = replace(base, head=replace(base.head, finetune_steps=7, finetune_lr=1e-4))
+    own = f"self-distilled-{tuned.self_distill_key()}.jsonl"
+    got = pl.ensure_head(tmp_path, tmp_path / "moe", tuned, progress=False)
+    assert got == tmp_path / f"draft-{tuned.draft_key()}"
+    assert calls == [(f"draft-{tuned.base_head_key()}", [f"draft-corpus-{tuned.base_head_key()}.jsonl", own],
+                      base.head.steps, base.head.lr, base.head.seed, None),
+                     (f"draft-{tuned.draft_key()}", [own], 7, 1e-4, base.head.seed + 1,
+                      f"draft-{tuned.base_head_key()}")]
+    calls.clear()
+    assert pl.ensure_head(tmp_path, tmp_path / "moe", tuned, progress=False) == got and calls == []  # cached
+    off = replace(base, head=replace(base.head, finetune_steps=0))
+    assert pl.ensure_head(tmp_path, tmp_path / "moe", off, progress=False) == tmp_path / f"draft-{off.base_head_key()}"
+    assert calls == []  # the cached stage-1 head

@@ -241,3 +241,27 @@ def _python_dir():
     import moespec
 
     return __import__("pathlib").Path(moespec.__file__).resolve().parents[1]
+
+
+def test_fine_tuning_starts_from_the_given_head(setup, trained, tmp_path):
+    """init=: the run starts from that head (its weights, draft vocabulary and taps; a near-zero learning
+    rate leaves them where they were), so fine-tuning on more of the target's samples starts at the
+    trained loss, not at a fresh head's; a checkpoint written from another start is refused on resume."""
+    base, result = trained
+    target = setup["target"]
+    start = load_eagle3(base, target)
+    still = train_draft(setup["path"], [setup["corpus_path"]], tmp_path / "still", steps=1,
+                        **{**ARGS, "lr": 1e-12, "draft_vocab_size": 16}, init=base)  # (ignored: init's vocabulary)
+    moved = load_eagle3(still.out_dir, target)
+    assert torch.equal(moved.d2t, start.d2t) and moved.config.aux_layers == start.config.aux_layers
+    for (name, a), b in zip(start.named_parameters(), moved.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    more = _sample(target, 64, 40, seed=5)
+    extra = tmp_path / "more.jsonl"
+    extra.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in more.tolist()))
+    tuned = train_draft(setup["path"], [extra], tmp_path / "tuned", steps=3, **ARGS, init=base)
+    assert json.loads((tmp_path / "tuned" / "config.json").read_text())["moespec"]["init"] == str(base.resolve())
+    fresh, trained_loss = result.losses[0], sum(result.losses[-5:]) / 5
+    assert tuned.losses[0] < fresh - 0.3 and abs(tuned.losses[0] - trained_loss) < abs(tuned.losses[0] - fresh)
+    with pytest.raises(ValueError, match="init="):
+        train_draft(setup["path"], [extra], tmp_path / "tuned", steps=5, **ARGS, init=tmp_path / "still")

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 import moespec.models as mm
 from moespec.models.config import ModelConfig
-from moespec.spec.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers, init_weights
+from moespec.spec.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers, init_weights, load_eagle3
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_VERSION = 1
@@ -277,6 +277,7 @@ def train_draft(
     moe_impl: Optional[str] = None,
     amp: bool = False,
     callback: Optional[Callable[[int, float], None]] = None,
+    init: Optional[str | Path] = None,
 ) -> TrainResult:
     """Trains an EAGLE-3 head for the target at ``target_path`` and writes it to ``out_dir``.
 
@@ -296,6 +297,9 @@ def train_draft(
     amp : run the head's forward and backward under bf16 autocast (weights, optimizer and losses stay
         fp32); about twice as fast on CPUs with bf16 instructions.
     callback : called as ``callback(step, loss)`` after every step (step counts from 1).
+    init : a trained head's folder to start from (fine-tuning): its weights, draft vocabulary, feature
+        layers and widths; ``draft_vocab_size`` and ``aux_layers`` are then ignored. The optimizer starts
+        fresh.
 
     Returns a TrainResult. ValueError for bad arguments, corpus files, or a checkpoint written with
     other arguments.
@@ -312,6 +316,11 @@ def train_draft(
     target_path, out = Path(target_path), Path(out_dir)
     target = mm.load(target_path, dtype, moe_impl=moe_impl)
     c = target.config
+    start_from = None
+    if init is not None:
+        start_from = load_eagle3(init, c, embed=target.weights.embed.float(), dtype="fp32")  # ValueError names a bad one
+        start_from.train().requires_grad_(True)
+        aux_layers = start_from.config.aux_layers
     taps = tuple(int(i) for i in (aux_layers or default_aux_layers(c.num_layers)))
     target.set_taps(taps)  # ValueError for a layer the target does not have
 
@@ -321,15 +330,18 @@ def train_draft(
     if num_windows < 1:
         raise ValueError(f"corpus: {stream.numel()} tokens, fewer than one sequence of seq_len={seq_len}")
     windows = stream[: num_windows * seq_len].view(num_windows, seq_len)  # [W, T]
-    used = draft_vocabulary(stream, c.vocab_size, draft_vocab_size)
-    head = new_head(c, target.weights.embed, used, seed=seed, aux_layers=taps)
+    if start_from is not None:
+        head = start_from
+    else:
+        used = draft_vocabulary(stream, c.vocab_size, draft_vocab_size)
+        head = new_head(c, target.weights.embed, used, seed=seed, aux_layers=taps)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=BETAS, weight_decay=0.0)
 
     args = {
         "target": str(target_path.resolve()), "corpus": [str(Path(p).resolve()) for p in corpus_paths],
         "corpus_tokens": int(stream.numel()), "ttt_steps": ttt_steps, "draft_vocab_size": head.config.draft_vocab_size,
         "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "seed": seed, "dtype": dtype, "aux_layers": list(taps),
-        "amp": amp,
+        "amp": amp, "init": None if init is None else str(Path(init).resolve()),
     }
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / CHECKPOINT
@@ -376,7 +388,7 @@ def train_draft(
         "target": str(target_path.resolve()), "target_architecture": c.architecture,
         "corpus": args["corpus"], "corpus_tokens": args["corpus_tokens"], "steps": result.step,
         "ttt_steps": ttt_steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "seed": seed,
-        "final_loss": result.loss, "aux_layers": list(taps),
+        "final_loss": result.loss, "aux_layers": list(taps), **({} if init is None else {"init": args["init"]}),
         "aux_layers_note": "aux_layers: target layers whose output feeds the head (moespec indexing); "
                            "eagle_aux_hidden_state_layer_ids = aux_layers + 1 (vLLM: input of layer j)",
     }
@@ -411,6 +423,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-impl", choices=("kernel", "reference"), default=None,
                    help="the target's MoE experts implementation (default: $MOESPEC_MOE_IMPL, else kernel)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast for the head (fp32 weights and optimizer)")
+    p.add_argument("--init", default=None, metavar="HEAD",
+                   help="fine-tune: start from this trained EAGLE-3 head folder (its weights, draft vocabulary and "
+                        "feature layers; --draft-vocab and --aux-layers are then ignored)")
     p.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint and start over")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -423,7 +438,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         train_draft(a.target, a.corpus, a.out, steps=a.steps, ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab,
                     lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, resume=not a.no_resume,
                     progress=not a.quiet, dtype=a.dtype, checkpoint_every=a.checkpoint_every, aux_layers=a.aux_layers,
-                    moe_impl=a.moe_impl, amp=a.amp)
+                    moe_impl=a.moe_impl, amp=a.amp, init=a.init)
     except ValueError as exc:
         print(f"moespec train-draft: error: {exc}", file=sys.stderr)
         return 2  # the CLI contract: a user error is exit status 2
