@@ -23,7 +23,9 @@ import test_deepseek_v3 as deepseek_fixtures
 import test_gpt_oss as gpt_oss_fixtures
 from models_fixtures import FAMILIES, ancestor_mask, assert_close, depths, write_checkpoint
 from moespec.engine.onnx_export import export_verify
-from moespec.engine.onnx_plugins import MOE, MOE_FIELDS, ROUTE, ROUTE_FIELDS, moe_fields, route_fields, with_reference_functions
+from moespec.engine.onnx_plugins import (
+    MOE, MOE_FIELDS, ROUTE, ROUTE_FIELDS, moe_fields, route_fields, with_reference_functions,
+)
 from moespec.models import load
 from moespec.ops import ExpertBudget, RouterSpec
 from moespec.ops.reference import moe_experts_reference, route_experts_reference
@@ -204,7 +206,9 @@ def test_route_reference_equals_the_semantics(router, T, extra, policy, seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, N, generator=g) * 3
     bias = torch.randn(N, generator=g) * 0.5 if spec.family == "deepseek_v3" else None
-    inputs = [("router_logits", TensorProto.FLOAT, [T, N])] + ([("bias", TensorProto.FLOAT, [N])] if bias is not None else [])
+    inputs = [("router_logits", TensorProto.FLOAT, [T, N])]
+    if bias is not None:
+        inputs.append(("bias", TensorProto.FLOAT, [N]))
     sess = function_model(ROUTE, inputs,
                           [("ids", TensorProto.INT32, [T, K]), ("weights", TensorProto.FLOAT, [T, K]),
                            ("active", TensorProto.INT32, [N]), ("stats", TensorProto.INT32, [4])],

@@ -21,13 +21,14 @@ budget + experts, :mod:`moespec.engine.onnx_plugins`; DeepSeek-V3's correction b
 expert biases as plugin inputs), plus the shared expert (Qwen2-MoE gated, DeepSeek-V3 not) in plain
 ops. Every family the runtime loads exports: GQA with q/k norms, clipping, biases, GPT-OSS's sinks
 and sliding windows (past slot j holds position j, the new tokens their ``position_ids``), MLA with
-plain or interleaved rope, YaRN's cos/sin scale, float32-scaled norms. The budget, when given, is a field of every route node (it caps each layer's unique experts
-over all B x T tokens, DESIGN.md "Expert budget"; budgets are for verify passes: prefill through a
-network exported without one). All B x T tokens are routed, so a batch of unequal trees is padded
-with tokens that count towards the budget; export B = 1 trees, or equal sizes, for the runtime's
-exact budget. Arithmetic follows :class:`moespec.runtime.backend.ReferenceBackend`: matmuls in the
-weights' dtype, norms and softmax in float32, rope tables from the config's own inverse
-frequencies. Initializers carry the engine's tensor names.
+plain or interleaved rope, YaRN's cos/sin scale, float32-scaled norms. The budget, when given, is a
+field of every route node (it caps each layer's unique experts over all B x T tokens, DESIGN.md
+"Expert budget"; budgets are for verify passes: prefill through a network exported without one). All
+B x T tokens are routed, so a batch of unequal trees is padded with tokens that count towards the
+budget; export B = 1 trees, or equal sizes, for the runtime's exact budget. Arithmetic follows
+:class:`moespec.runtime.backend.ReferenceBackend`: matmuls in the weights' dtype, norms and softmax
+in float32, rope tables from the config's own inverse frequencies. Initializers carry the engine's
+tensor names.
 
 Dimensions: L layers, H hidden, Hq/Hkv query and key/value heads (G = Hq / Hkv), D head dim, E
 experts, V vocabulary.
@@ -187,8 +188,8 @@ class _Exporter:
         k_nope, v = g.op("Split", kv, g.const([nope, vd]), axis=-1, outputs=2)  # [B, Hq, S, *]
         lead = g.op("Slice", g.op("Shape", k_nope), g.const([0]), g.const([3]))
         k = g.op("Concat", k_nope, g.op("Expand", rot_all, g.op("Concat", lead, g.const([rope]), axis=0)), axis=-1)
-        scores = g.op("Mul", g.op("MatMul", g.op("Concat", q_pass, q_rot, axis=-1), g.op("Transpose", k, perm=[0, 1, 3, 2])),
-                      g.const(mla_scale(c), self.dt))  # [B, Hq, T, S]
+        qk = g.op("MatMul", g.op("Concat", q_pass, q_rot, axis=-1), g.op("Transpose", k, perm=[0, 1, 3, 2]))
+        scores = g.op("Mul", qk, g.const(mla_scale(c), self.dt))  # [B, Hq, T, S]
         probs = self.softmax(scores, g.op("Unsqueeze", mask, g.const([1])), None)
         o = g.op("Reshape", g.op("Transpose", g.op("MatMul", probs, v), perm=[0, 2, 1, 3]), g.const([0, 0, Hq * vd]))
         return self.linear(o, p + "o", layer.o, layer.o_bias)

@@ -35,6 +35,7 @@ from onnx import TensorProto
 
 from moespec.engine.onnx_graph import PLUGIN_DOMAIN, Graph
 from moespec.ops import ExpertBudget, RouterSpec
+from moespec.ops.moe import _ACTIVATION_CODES
 from moespec.ops.routing import _FAMILY_CODES, budget_codes
 
 ROUTE = "MoespecRouteExperts"
@@ -46,7 +47,7 @@ ROUTE_FIELDS = ("family", "top_k", "renormalize", "n_group", "topk_group", "scal
                 "coverage", "has_bias", "has_token_weights", "softmax_vector_width")
 MOE_FIELDS = ("intermediate_size", "activation", "limit", "alpha", "has_biases")
 _PLUGIN_ATTRS = ("plugin_namespace", "plugin_version")
-ACTIVATIONS = ("swiglu", "gpt_oss")  # the activation field's codes
+_ACTIVATION_NAMES = {code: name for name, code in _ACTIVATION_CODES.items()}  # the activation field's codes
 _FAMILY_NAMES = {code: name for name, code in _FAMILY_CODES.items()}  # the family field's codes
 
 
@@ -64,7 +65,7 @@ def moe_fields(intermediate_size: int, activation: str = "swiglu", limit: float 
                has_biases: bool = False) -> dict[str, object]:
     """MoespecBudgetedMoe's fields for experts of ``intermediate_size`` ("swiglu", or "gpt_oss": the
     clamped variant with ``limit`` and ``alpha``; ``has_biases``: the experts' biases come as input 5)."""
-    return {"intermediate_size": intermediate_size, "activation": ACTIVATIONS.index(activation), "limit": float(limit),
+    return {"intermediate_size": intermediate_size, "activation": _ACTIVATION_CODES[activation], "limit": float(limit),
             "alpha": float(alpha), "has_biases": int(has_biases)}
 
 
@@ -239,7 +240,7 @@ def reference_name(plugin: str, variant: str) -> str:
 
 def reference_functions() -> list[onnx.FunctionProto]:
     """The plugin ops' reference bodies, as model-local functions: one per router family and activation."""
-    return [_route_function(f) for f in _FAMILY_CODES] + [_moe_function(a) for a in ACTIVATIONS]
+    return [_route_function(f) for f in _FAMILY_CODES] + [_moe_function(a) for a in _ACTIVATION_CODES]
 
 
 def reference_variant(node: onnx.NodeProto) -> str:
@@ -256,10 +257,11 @@ def reference_variant(node: onnx.NodeProto) -> str:
                              f"deepseek_v3 family (family {attrs['family']}, has_bias {attrs['has_bias']})")
         return reference_name(ROUTE, family)
     if node.op_type == MOE:
-        if not 0 <= attrs["activation"] < len(ACTIVATIONS) or attrs["has_biases"] != (attrs["activation"] == 1):
+        activation = _ACTIVATION_NAMES.get(attrs["activation"])
+        if activation is None or attrs["has_biases"] != (activation == "gpt_oss"):
             raise ValueError(f"{node.name}: the reference MoespecBudgetedMoe covers SwiGLU experts without biases "
                              f"and GPT-OSS experts with them")
-        return reference_name(MOE, ACTIVATIONS[attrs["activation"]])
+        return reference_name(MOE, activation)
     raise ValueError(f"{node.name}: {node.op_type} is not a moespec plugin with a reference body")
 
 

@@ -318,7 +318,8 @@ def train_draft(
     c = target.config
     start_from = None
     if init is not None:
-        start_from = load_eagle3(init, c, embed=target.weights.embed.float(), dtype="fp32")  # ValueError names a bad one
+        # (ValueError naming what is wrong with a bad one)
+        start_from = load_eagle3(init, c, embed=target.weights.embed.float(), dtype="fp32")
         start_from.train().requires_grad_(True)
         aux_layers = start_from.config.aux_layers
     taps = tuple(int(i) for i in (aux_layers or default_aux_layers(c.num_layers)))
