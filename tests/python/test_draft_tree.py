@@ -1,5 +1,6 @@
-"""Draft trees (moespec.spec.TreeBuilder over the native DraftTreeBatch) against a plain-Python
-EAGLE-2 reference, the tree contract's invariants, and bad input.
+"""Draft trees (moespec.spec.TreeBuilder over its two cores: the native DraftTreeBatch and the torch
+core of moespec.spec.tree_device, which a GPU runs) against a plain-Python EAGLE-2 reference, the
+tree contract's invariants, and bad input; every test runs on both cores.
 
 The reference below follows EAGLE's cnets.Model.topK_genrate (REFERENCE.md 3, section 1.4) in
 gpt-fast style, with the tie rule of cpp/include/moespec/draft_tree.h: ranking by (score desc,
@@ -23,6 +24,7 @@ from moespec.spec import DraftTree, TreeBuilder, unpack_mask
 from moespec.spec.tree import pack_mask
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CORES = pytest.mark.parametrize("core", ["native", "torch"])
 
 
 # ---- plain-Python reference (one request) ------------------------------------------------------
@@ -142,11 +144,12 @@ def tree_cases(draw):
     return k, depth, total, roots, first, steps
 
 
+@CORES
 @SETTINGS
-@given(tree_cases())
-def test_trees_equal_the_eagle2_reference_at_every_level(case):
+@given(case=tree_cases())
+def test_trees_equal_the_eagle2_reference_at_every_level(core, case):
     k, depth, total, roots, (tok0, lp0), steps = case
-    builder = TreeBuilder(roots.shape[0], depth=depth, top_k=k, total_tokens=total)
+    builder = TreeBuilder(roots.shape[0], depth=depth, top_k=k, total_tokens=total, core=core)
     frontiers = [builder.expand_root(roots, tok0, lp0).clone()]  # clones: the builder reuses its buffers
     trees = [[t.clone() for t in builder.finalize()]]
     for toks, lps in steps:
@@ -182,8 +185,9 @@ def test_trees_equal_the_eagle2_reference_at_every_level(case):
             assert cands.depth[c] == trees[-1][b].depth[n]
 
 
-def test_hand_worked_tree_and_the_docstring_example():
-    builder = TreeBuilder(2, depth=3, top_k=2, total_tokens=4)
+@CORES
+def test_hand_worked_tree_and_the_docstring_example(core):
+    builder = TreeBuilder(2, depth=3, top_k=2, total_tokens=4, core=core)
     builder.expand_root(torch.tensor([100, 1]), torch.tensor([[5, 6], [1, 1]]),
                         torch.tensor([[-0.1, -1.0], [0.0, 0.0]]))
     builder.expand(torch.tensor([[[7, 8], [9, 10]], [[1, 1], [1, 1]]]),
@@ -201,13 +205,14 @@ def test_hand_worked_tree_and_the_docstring_example():
     assert failures == 0
 
 
-def test_d2t_maps_draft_ids_to_target_ids():
+@CORES
+def test_d2t_maps_draft_ids_to_target_ids(core):
     gen = torch.Generator().manual_seed(3)
     d2t = torch.randint(0, 500, (100,), generator=gen)
     tok0, lp0 = torch.randint(0, 100, (2, 4), generator=gen), -torch.rand(2, 4, generator=gen)
     tok1, lp1 = torch.randint(0, 100, (2, 4, 4), generator=gen), -torch.rand(2, 4, 4, generator=gen)
-    mapped = TreeBuilder(2, depth=2, top_k=4, total_tokens=9, d2t=d2t)
-    plain = TreeBuilder(2, depth=2, top_k=4, total_tokens=9)
+    mapped = TreeBuilder(2, depth=2, top_k=4, total_tokens=9, d2t=d2t, core=core)
+    plain = TreeBuilder(2, depth=2, top_k=4, total_tokens=9, core=core)
     f = mapped.expand_root([3, 4], tok0, lp0)
     assert torch.equal(f.tokens, torch.gather(tok0 + d2t[tok0], 1, f.index.long()))
     plain.expand_root([3, 4], tok0 + d2t[tok0], lp0)
@@ -222,8 +227,9 @@ def test_d2t_maps_draft_ids_to_target_ids():
         TreeBuilder(1, top_k=2, d2t=d2t.int())
 
 
-def test_wide_masks_use_the_sign_bit_and_trees_are_views_until_clone():
-    builder = TreeBuilder(1, depth=3, top_k=8, total_tokens=70)
+@CORES
+def test_wide_masks_use_the_sign_bit_and_trees_are_views_until_clone(core):
+    builder = TreeBuilder(1, depth=3, top_k=8, total_tokens=70, core=core)
     builder.expand_root([0], torch.arange(8)[None], torch.zeros(1, 8))
     builder.expand(torch.zeros(1, 8, 8, dtype=torch.int64), torch.full((1, 8, 8), -1.0))
     tree = builder.finalize()[0]
@@ -237,15 +243,16 @@ def test_wide_masks_use_the_sign_bit_and_trees_are_views_until_clone():
     assert again.tokens[0] == 5
 
 
-def test_bad_input_raises_value_error_naming_the_argument():
+@CORES
+def test_bad_input_raises_value_error_naming_the_argument(core):
     for kwargs, name in [(dict(depth=0), "depth"), (dict(top_k=0), "top_k"), (dict(top_k=65), "top_k"),
                          (dict(total_tokens=0), "total_tokens"), (dict(total_tokens=5000), "total_tokens"),
                          (dict(depth=2.5), "depth")]:
         with pytest.raises(ValueError, match=f"^{name}: "):
-            TreeBuilder(1, **kwargs)
+            TreeBuilder(1, core=core, **kwargs)
     with pytest.raises(ValueError, match="^batch: "):
-        TreeBuilder(0)
-    builder = TreeBuilder(2, depth=2, top_k=3, total_tokens=5)
+        TreeBuilder(0, core=core)
+    builder = TreeBuilder(2, depth=2, top_k=3, total_tokens=5, core=core)
     good_tok, good_lp = torch.zeros(2, 3, dtype=torch.int64), torch.full((2, 3), -1.0)
     with pytest.raises(ValueError, match="^expand: the trees have no root yet"):
         builder.expand(torch.zeros(2, 3, 3, dtype=torch.int64), torch.zeros(2, 3, 3))
@@ -289,3 +296,32 @@ def test_pack_mask_inverts_unpack_mask(n, seed):
     words = pack_mask(bits)
     assert words.dtype == torch.int32 and words.shape == (3, (n + 31) // 32)
     assert torch.equal(unpack_mask(words, n), bits)
+
+
+def test_the_torch_core_defers_value_checks_off_the_cpu_to_the_finalize():
+    # (a GPU's builder checks values at finalize; check_now=False runs that path on the CPU)
+    d2t = torch.zeros(10, dtype=torch.int64)
+    good_tok, good_lp = torch.zeros(1, 2, dtype=torch.int64), torch.full((1, 2), -1.0)
+    for change, message in [(dict(lp=torch.tensor([[-1.0, float("nan")]])), "^logprobs: expected log-probabilities"),
+                            (dict(lp=torch.tensor([[-1.0, 0.5]])), "^logprobs: "),
+                            (dict(roots=[-3]), r"^root_tokens: expected token ids in \[0, 2\^31\)"),
+                            (dict(tok=torch.tensor([[1, 10]])), r"^tokens: expected draft ids in \[0, V_draft\)"),
+                            (dict(level_tok=torch.tensor([[[0, 1], [2, -1]]])), "^tokens: expected draft ids")]:
+        builder = TreeBuilder(1, depth=2, top_k=2, total_tokens=3, d2t=d2t, core="torch")
+        builder._core.check_now = False
+        args = dict(roots=[1], tok=good_tok, lp=good_lp, level_tok=torch.zeros(1, 2, 2, dtype=torch.int64)) | change
+        builder.expand_root(args["roots"], args["tok"], args["lp"])  # no error yet
+        builder.expand(args["level_tok"], torch.full((1, 2, 2), -1.0))
+        with pytest.raises(ValueError, match=message + ".*checked at finalize"):
+            builder.finalize()
+        builder.expand_root([1], good_tok, good_lp)  # a new round forgets the last one's problems
+        assert builder.finalize()[0].num_nodes == 3
+
+
+def test_the_core_follows_the_device_and_the_native_core_is_the_cpus_only():
+    assert TreeBuilder(1, top_k=2)._core is None  # the CPU: native
+    assert TreeBuilder(1, top_k=2, core="torch")._core is not None
+    with pytest.raises(ValueError, match="^core: expected 'native' \\(the CPU only\\) or 'torch'"):
+        TreeBuilder(1, top_k=2, device="cuda", core="native")
+    with pytest.raises(ValueError, match="^core: "):
+        TreeBuilder(1, top_k=2, core="gpu")

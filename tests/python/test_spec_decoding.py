@@ -79,6 +79,27 @@ def test_greedy_eagle3_equals_greedy_ar(family, depth, top_k, total, seed, model
     assert _greedy(llm, prompts) == want[family]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_eagle3_on_the_gpus_tree_core_equals_greedy_ar(family, models, ar_outputs, monkeypatch):
+    """The torch tree core (moespec.spec.tree_device: what a GPU runs, its buffers on the device) in
+    the whole loop, here on the CPU, batched."""
+    import moespec.spec.eagle3_policy as policy
+    from moespec.spec.tree import TreeBuilder
+
+    built = []
+
+    def torch_core(*args, **kwargs):
+        built.append(TreeBuilder(*args, core="torch", **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(policy, "TreeBuilder", torch_core)
+    prompts, want = ar_outputs
+    config = SpeculativeConfig("eagle3", depth=4, top_k=3, total_tokens=10)
+    llm = LLM(models[family], draft=_head(models[family], 1), speculative_config=config, max_batch_size=3)
+    assert _greedy(llm, prompts) == want[family]
+    assert built and all(b._core is not None for b in built)
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_budget_of_n_or_more_is_lossless(family, models, ar_outputs):
     prompts, want = ar_outputs
@@ -146,6 +167,33 @@ def test_trained_head_is_lossless_and_accepts_more(models, ar_outputs, trained_h
     # vs 1.05 untrained tokens per step); half a token of margin keeps the test from failing on a
     # different BLAS while still proving that training worked.
     assert good / 3 >= bad / 3 + 0.5, (good / 3, bad / 3)
+
+
+def test_the_gpus_tree_core_drafts_the_native_cores_trees(models, ar_outputs, trained_head, monkeypatch):
+    """With a head that is accepted, the torch tree core (run on the CPU) gives every eagle3 step the
+    native core's tree: the same acceptance lengths step by step. eco (which selects among the
+    builder's candidates) prices its trees with measured step times, so only its output is compared."""
+    import moespec.spec.eagle3_policy as policy
+    from moespec.spec.tree import TreeBuilder
+
+    prompts, want = ar_outputs
+    model, params = models["qwen3_moe"], SamplingParams(max_tokens=24, ignore_eos=True)
+    configs = [SpeculativeConfig("eagle3", depth=4, top_k=3, total_tokens=10),
+               SpeculativeConfig("eco", depth=4, top_k=3, total_tokens=10)]
+
+    def steps(config):
+        llm = LLM(model, draft=str(trained_head), predictor=_predictor(model), speculative_config=config,
+                  max_batch_size=3)
+        outs = llm.generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outs], [o.stats.acceptance_lengths for o in outs]
+
+    native = [steps(c) for c in configs]
+    monkeypatch.setattr(policy, "TreeBuilder", lambda *a, **k: TreeBuilder(*a, core="torch", **k))
+    for config, (tokens, lengths) in zip(configs, native):
+        got_tokens, got_lengths = steps(config)
+        assert got_tokens == tokens == want["qwen3_moe"]
+        if config.policy == "eagle3":
+            assert got_lengths == lengths and max(n for per in lengths for n in per) >= 3
 
 
 @pytest.fixture(scope="session")

@@ -189,16 +189,20 @@ class TargetModel:
         if len(trees) != cache.batch:
             raise ValueError(f"verify_trees: got {len(trees)} trees, the cache holds {cache.batch} requests")
         V = self.config.vocab_size
-        seqs, parents = [], []
+        present = [t for t in trees if t is not None and t.num_nodes]
+        # every tree's tokens and parents in one copy to the host (trees on a GPU: one synchronisation)
+        flat = torch.cat([torch.cat((t.tokens.long(), t.parents.long())) for t in present]).tolist() if present else []
+        seqs, parents, at = [], [], 0
         for b, tree in enumerate(trees):
             n = tree.num_nodes if tree is not None else 0
-            if n and (int(tree.tokens.min()) < 0 or int(tree.tokens.max()) >= V):
+            seqs.append(flat[at: at + n])
+            parents.append(flat[at + n: at + 2 * n])
+            at += 2 * n
+            if n and (min(seqs[-1]) < 0 or max(seqs[-1]) >= V):
                 raise ValueError(f"verify_trees: tree {b} has token ids outside the vocabulary [0, {V})")
             if cache.lengths[b] + n > cache.max_len:
                 raise ValueError(f"cache overflow: request {b} holds {cache.lengths[b]} tokens, {n} more exceed "
                                  f"max_len={cache.max_len} (make the cache with a larger max_len)")
-            seqs.append(tree.tokens.tolist() if n else [])
-            parents.append(tree.parents.tolist() if n else [])
         if not any(seqs):
             raise ValueError("verify_trees: no tokens to run")
         out = self.backend.forward(cache, seqs, parents, budget, last_only=False,

@@ -66,8 +66,9 @@ class StaticStep:
         B, T = b.tokens.shape
         S = b.visible.shape[-1]
         P, W = geo.mask.shape
-        host = torch.cat([geo.tokens.long(), geo.positions.long(), torch.tensor(starts, dtype=torch.long),
-                          geo.mask.long().reshape(-1)])
+        host = torch.cat([geo.tokens.long(), geo.positions.long(),
+                          torch.tensor(starts, dtype=torch.long).to(geo.tokens.device, non_blocking=True),
+                          geo.mask.long().reshape(-1)])  # (on the host, or on the GPU for the torch tree core's trees)
         dev = host.to(b.tokens.device, non_blocking=True)
         start = dev[2 * P: 2 * P + B]
         words = dev[2 * P + B:].view(B, T, W)  # int32 words sign-extended: bits 0..31 as they were

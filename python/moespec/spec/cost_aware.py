@@ -358,7 +358,7 @@ class CostAwareTrees:
         live = np.flatnonzero(np.asarray(active, dtype=bool))
         if len(live) == 0:
             return False
-        a = np.exp(self.calibration.log_accept(frontier_scores[live].numpy()).astype(np.float64))
+        a = np.exp(self.calibration.log_accept(frontier_scores[live].cpu().numpy()).astype(np.float64))
         token_s = self.pricer.costs.token_s
         return bool(self.rate * a.max() > token_s and self.rate * a.sum() > self.level_s + token_s)
 

@@ -76,7 +76,7 @@ class Eagle3Policy:
         if batch not in self._builders:
             c = self.config
             self._builders[batch] = TreeBuilder(batch, depth=c.depth, top_k=c.top_k, total_tokens=c.total_tokens,
-                                                d2t=self.head.d2t)
+                                                d2t=self.head.d2t, device=self.target.device)
         return self._builders[batch]
 
     # ---- start: prefill the target, catch the draft up over the prompt -----------------------------
@@ -163,10 +163,10 @@ class Eagle3Policy:
         c, head = self.config, self.head
         dc = run.extra["draft_cache"]
         B, K = len(roots), c.top_k
-        builder = self._builder(B)  # (the tree core is host code: the top-k of each level crosses over)
+        builder = self._builder(B)  # on the target's device (a GPU's: no host synchronisation between levels)
         dev = self.target.device
         top = torch.log_softmax(run.extra["draft_logits"], dim=-1).topk(K, dim=-1)  # [B, K]
-        frontier = builder.expand_root(roots, top.indices.cpu(), top.values.cpu())
+        frontier = builder.expand_root(roots, top.indices, top.values)
         level_hidden = []  # the frontier states that propose each next level (kept for a cost-aware choice)
         n = torch.tensor(dc.lengths, device=dev)  # [B] accepted draft entries
         H = run.extra["draft_hidden"].shape[-1]
@@ -182,7 +182,7 @@ class Eagle3Policy:
             out = head(dc, frontier.tokens.to(dev, copy=True), hidden, positions=(n - 1 + d)[:, None].expand(B, K), slots=own,
                        visible=seen)
             top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
-            frontier = builder.expand(top.indices.cpu(), top.values.cpu())
+            frontier = builder.expand(top.indices, top.values)
             parent = frontier.parent_slot.long().to(dev)[:, :, None]  # [B, K, 1]
             if self.selector is not None:
                 level_hidden.append(out.hidden)

@@ -148,12 +148,13 @@ def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Te
     if not live:
         return [None] * len(trees)
     B, T, dev = len(trees), logits.shape[1], logits.device
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    parents = torch.full((B, T), -2, dtype=torch.long)  # -2: no node (matches no path node)
+    where = live[0].tokens.device  # the trees' (the builder's) device: the host, or the GPU's buffers
+    tokens = torch.zeros(B, T, dtype=torch.long, device=where)
+    parents = torch.full((B, T), -2, dtype=torch.long, device=where)  # -2: no node (matches no path node)
     for b, t in enumerate(trees):
         if t is not None:
-            tokens[b, : t.num_nodes], parents[b, : t.num_nodes] = t.tokens.cpu(), t.parents.cpu().long()
-    depth = max(t.paths.shape[1] - 1 for t in live)  # the deepest tree's depth (host tensors: no sync)
+            tokens[b, : t.num_nodes], parents[b, : t.num_nodes] = t.tokens, t.parents.long()
+    depth = max(t.paths.shape[1] - 1 for t in live)  # the deepest tree's depth (a shape: no sync)
     tokens, parents = tokens.to(dev, non_blocking=True), parents.to(dev, non_blocking=True)
     choice = logits.argmax(dim=-1)  # [B, T]
     index = torch.arange(T, device=dev)[None, :]

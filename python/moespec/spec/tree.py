@@ -13,10 +13,12 @@ One round, for B requests in lockstep::
         frontier = builder.expand(child_tokens, child_logprobs)  # [B, K, K]: top-K after each slot
     trees = builder.finalize()  # one DraftTree per request: verify them, accept, commit
 
-The builder lives on the CPU and allocates its buffers once; the frontier and the trees it returns
-are views of those buffers, valid until the next call that rewrites them (``clone()`` to keep one).
-Draft-vocabulary ids are mapped to target ids here, in Python (EAGLE-3's ``d2t``), before they reach
-the native builder, which sees target ids only.
+The builder allocates its buffers once, on its device; the frontier and the trees it returns are
+views of those buffers, valid until the next call that rewrites them (``clone()`` to keep one). Two
+cores, one semantics: on the CPU the native ``DraftTreeBatch``; on a GPU the torch core of
+:mod:`moespec.spec.tree_device`, whose buffers stay on the device (no host synchronisation between
+levels; the finalize copies each tree's leaf count and depth back). Draft-vocabulary ids are mapped
+to target ids here (EAGLE-3's ``d2t``), before they reach the core, which sees target ids only.
 
 Dimensions: B requests, K top-k, D depth (levels below the root), C candidates,
 M tree nodes without the root (M <= total_tokens), W = ceil((M + 1) / 32) mask words, P leaves.
@@ -65,7 +67,11 @@ def pack_mask(bits: torch.Tensor) -> torch.Tensor:
     n = bits.shape[-1]
     W = max(1, (n + 31) // 32)
     padded = F.pad(bits.long(), (0, 32 * W - n)).unflatten(-1, (W, 32))  # [..., W, 32]
-    words = (padded << _BIT.to(bits.device).long()).sum(-1)  # [..., W] in [0, 2^32)
+    return _bits_as_int32((padded << _BIT.to(bits.device).long()).sum(-1))  # [..., W]
+
+
+def _bits_as_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2^32) -> the int32 words of the same bits (two's complement)."""
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
@@ -192,8 +198,14 @@ class TreeBuilder:
     Children's log-probabilities must be finite or -inf and at most 1e-3 (a positive one, the
     rounding of a log-softmax, counts as 0). Ranking is by (score desc, depth asc, candidate index
     asc), so ties are broken the same way everywhere and the trees are closed under ancestors.
-    Inputs may live on any device (they are copied to the CPU); bad input raises ValueError naming
-    the argument, and leaves the builder as it was.
+    device : the device of the builder's buffers and outputs (default: the CPU). Inputs may live on
+        any device (they are copied to the builder's).
+    core : "native" (the C++ core; the CPU only) or "torch" (:mod:`moespec.spec.tree_device`; any
+        device); default native on the CPU, torch elsewhere. Both give identical trees.
+
+    Bad input raises ValueError naming the argument, and leaves the builder as it was; on a GPU the
+    value checks (token ids, log-probabilities) run at :meth:`finalize` instead (checking at each call
+    would synchronise every level).
 
     Examples
     --------
@@ -219,34 +231,48 @@ class TreeBuilder:
     """
 
     def __init__(self, batch: int, *, depth: int = 7, top_k: int = 10, total_tokens: int = 60,
-                 d2t: Optional[torch.Tensor] = None) -> None:
+                 d2t: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None,
+                 core: Optional[str] = None) -> None:
         for name, value in (("batch", batch), ("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name}: expected an int, got {value!r}")
         if d2t is not None and (not isinstance(d2t, torch.Tensor) or d2t.dim() != 1 or d2t.dtype != torch.int64):
             raise ValueError(f"d2t: expected an int64 tensor [V_draft], got {_describe(d2t)}")
-        self._native = native().DraftTreeBatch(batch, depth, top_k, total_tokens)
-        self._d2t = d2t
+        device = torch.device("cpu" if device is None else device)
+        core = core or ("native" if device.type == "cpu" else "torch")
+        if core not in ("native", "torch") or (core == "native" and device.type != "cpu"):
+            raise ValueError(f"core: expected 'native' (the CPU only) or 'torch', got {core!r} on {device}")
+        if core == "native":
+            self._impl, self._core = native().DraftTreeBatch(batch, depth, top_k, total_tokens), None
+        else:
+            from moespec.spec.tree_device import TorchTreeCore
+
+            self._impl = self._core = TorchTreeCore(batch, depth, top_k, total_tokens, device)
+        self.device = device
+        self._d2t = None if d2t is None else d2t.to(device)
         B, K = batch, top_k
-        n_max = self._native.max_nodes  # the largest M + 1
+        n_max = self._impl.max_nodes  # the largest M + 1
         w_max = (n_max + 31) // 32
-        i32 = dict(dtype=torch.int32)
+        i32 = dict(dtype=torch.int32, device=device)
         # Frontier buffers [B, K], their descriptors built once.
         self._f_index = torch.empty(B, K, **i32)  # [B, K]
-        self._f_tokens = torch.empty(B, K, dtype=torch.int64)  # [B, K]
+        self._f_tokens = torch.empty(B, K, dtype=torch.int64, device=device)  # [B, K]
         self._f_parent = torch.empty(B, K, **i32)  # [B, K]
         self._f_parent_slot = torch.empty(B, K, **i32)  # [B, K]
-        self._f_scores = torch.empty(B, K, dtype=torch.float32)  # [B, K]
-        self._f_views = (view(self._f_index, "frontier_index"), view(self._f_tokens, "frontier_tokens"),
-                         view(self._f_parent, "frontier_parent"), view(self._f_parent_slot, "frontier_parent_slot"),
-                         None, view(self._f_scores, "frontier_scores"))
+        self._f_scores = torch.empty(B, K, dtype=torch.float32, device=device)  # [B, K]
+        self._f_views = None if self._core is not None else (
+            view(self._f_index, "frontier_index"), view(self._f_tokens, "frontier_tokens"),
+            view(self._f_parent, "frontier_parent"), view(self._f_parent_slot, "frontier_parent_slot"), None,
+            view(self._f_scores, "frontier_scores"))
+        self._f_out = dict(index=self._f_index, tokens=self._f_tokens, parent=self._f_parent,
+                           parent_slot=self._f_parent_slot, scores=self._f_scores)  # (the torch core's)
         self._frontier = Frontier(self._f_index, self._f_tokens, self._f_parent, self._f_parent_slot,
                                   self._f_scores, 0)
         # Tree buffers for the largest tree; a finalize writes a prefix of them.
-        self._t_tokens = torch.empty(B, n_max, dtype=torch.int64)  # [B, M+1]
+        self._t_tokens = torch.empty(B, n_max, dtype=torch.int64, device=device)  # [B, M+1]
         self._t_parents = torch.empty(B, n_max, **i32)  # [B, M+1]
         self._t_depth = torch.empty(B, n_max, **i32)  # [B, M+1]
-        self._t_scores = torch.empty(B, n_max, dtype=torch.float32)  # [B, M+1]
+        self._t_scores = torch.empty(B, n_max, dtype=torch.float32, device=device)  # [B, M+1]
         self._t_candidates = torch.empty(B, n_max, **i32)  # [B, M+1]
         self._t_mask = torch.empty(B, n_max, w_max, **i32)  # [B, M+1, W]
         self._t_paths = torch.empty(B, n_max - 1, depth + 1, **i32)  # [B, M, D+1]
@@ -258,34 +284,34 @@ class TreeBuilder:
 
     @property
     def batch(self) -> int:
-        return self._native.batch
+        return self._impl.batch
 
     @property
     def depth(self) -> int:
-        return self._native.depth
+        return self._impl.depth
 
     @property
     def top_k(self) -> int:
-        return self._native.top_k
+        return self._impl.top_k
 
     @property
     def total_tokens(self) -> int:
-        return self._native.total_tokens
+        return self._impl.total_tokens
 
     @property
     def levels(self) -> int:
         """Levels expanded in the current trees (0 before :meth:`expand_root`)."""
-        return self._native.levels
+        return self._impl.levels
 
     @property
     def can_expand(self) -> bool:
         """Whether :meth:`expand` may be called now (1 <= levels < depth)."""
-        return 1 <= self._native.levels < self._native.depth
+        return 1 <= self._impl.levels < self._impl.depth
 
     @property
     def num_candidates(self) -> int:
         """C: candidates recorded per request so far."""
-        return self._native.num_candidates
+        return self._impl.num_candidates
 
     # -- one round -------------------------------------------------------------------------------
 
@@ -307,10 +333,14 @@ class TreeBuilder:
         Frontier
             The K children of each root, best first (depth 1).
         """
+        if self._core is not None:
+            tokens, bad = self._map_deferred(tokens)
+            self._core.expand_root(torch.as_tensor(root_tokens), tokens, logprobs, self._f_out, bad_draft_ids=bad)
+            return self._current_frontier()
         # Locals keep converted copies alive while the native call reads them.
         roots, tokens, logprobs = _cpu(torch.as_tensor(root_tokens)), self._map(tokens), _float32(logprobs)
-        self._native.expand_root(view(roots, "root_tokens"), view(tokens, "tokens"), view(logprobs, "logprobs"),
-                                 *self._f_views)
+        self._impl.expand_root(view(roots, "root_tokens"), view(tokens, "tokens"), view(logprobs, "logprobs"),
+                               *self._f_views)
         return self._current_frontier()
 
     def expand(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Frontier:
@@ -328,8 +358,12 @@ class TreeBuilder:
         Frontier
             The K best of the K^2 new candidates of each request, best first.
         """
+        if self._core is not None:
+            tokens, bad = self._map_deferred(tokens)
+            self._core.expand(tokens, logprobs, self._f_out, bad_draft_ids=bad)
+            return self._current_frontier()
         tokens, logprobs = self._map(tokens), _float32(logprobs)  # locals: alive during the call
-        self._native.expand(view(tokens, "tokens"), view(logprobs, "logprobs"), *self._f_views)
+        self._impl.expand(view(tokens, "tokens"), view(logprobs, "logprobs"), *self._f_views)
         return self._current_frontier()
 
     def finalize(self) -> list[DraftTree]:
@@ -340,60 +374,79 @@ class TreeBuilder:
         list of DraftTree, one per request
             Views of the builder's buffers, valid until the next ``finalize`` (``clone()`` to keep).
         """
-        levels = self._native.levels
+        levels = self._impl.levels
         if levels not in self._by_levels:
             self._by_levels[levels] = self._layout(levels)
-        descriptors, slices = self._by_levels[levels]
-        self._native.finalize(*descriptors)
+        descriptors, outputs, slices = self._by_levels[levels]
+        if self._core is not None:
+            self._core.finalize(outputs)
+        else:
+            self._impl.finalize(*descriptors)
         trees = []
+        shapes = torch.stack([self._t_leaves, self._t_max_depth]).tolist()  # (a GPU's one copy back per round)
         for (tokens, parents, depth, mask, paths, strides, offset, scores, candidates), leaves, max_depth in zip(
-                slices, self._t_leaves.tolist(), self._t_max_depth.tolist()):
+                slices, *shapes):
             paths = paths.as_strided((leaves, max_depth + 1), strides, offset)  # [P, max_depth+1]
             trees.append(DraftTree(tokens, parents, depth, mask, paths, scores, candidates))
         return trees
 
     def candidates(self, b: int) -> Candidates:
-        """Request ``b``'s candidate records [C] (new tensors)."""
-        c = self._native.num_candidates
+        """Request ``b``'s candidate records [C] (new tensors, on the CPU)."""
+        if self._core is not None:
+            return Candidates(*self._core.read_candidates(b))
+        c = self._impl.num_candidates
         out = Candidates(torch.empty(c, dtype=torch.int64), torch.empty(c, dtype=torch.int32),
                          torch.empty(c, dtype=torch.int32), torch.empty(c, dtype=torch.float32))
-        self._native.read_candidates(b, view(out.tokens, "tokens"), view(out.parents, "parents"),
+        self._impl.read_candidates(b, view(out.tokens, "tokens"), view(out.parents, "parents"),
                                      view(out.depth, "depth"), view(out.scores, "scores"))
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
 
     def _current_frontier(self) -> Frontier:
-        levels = self._native.levels
+        levels = self._impl.levels
         if self._frontier.depth != levels:
             self._frontier = Frontier(self._f_index, self._f_tokens, self._f_parent, self._f_parent_slot,
                                       self._f_scores, levels)
         return self._frontier
 
     def _map(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Draft ids -> target ids on the builder's device, checked now."""
         if self._d2t is not None and isinstance(tokens, torch.Tensor):
-            d2t = self._d2t.to(tokens.device)
-            if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= d2t.shape[0]):
-                raise ValueError(f"tokens: draft ids must lie in [0, {d2t.shape[0]}) to be mapped through d2t, "
+            V = self._d2t.shape[0]
+            tokens = tokens.to(self.device, non_blocking=True)
+            if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= V):
+                raise ValueError(f"tokens: draft ids must lie in [0, {V}) to be mapped through d2t, "
                                  f"got values in [{int(tokens.min())}, {int(tokens.max())}]")
-            tokens = tokens + d2t[tokens]
-        return _cpu(tokens)
+            tokens = tokens + self._d2t[tokens]
+        return tokens if self._core is not None else _cpu(tokens)
+
+    def _map_deferred(self, tokens) -> tuple:
+        """The torch core's mapping: off the CPU the range check is a device flag for the finalize
+        (returned with the mapped ids; None when checked now or without a d2t)."""
+        if self._d2t is None or self._core.check_now or not isinstance(tokens, torch.Tensor):
+            return self._map(tokens), None
+        V = self._d2t.shape[0]
+        tokens = tokens.to(self.device, non_blocking=True)
+        return tokens + self._d2t[tokens.clamp(0, V - 1)], ((tokens < 0) | (tokens >= V)).any()
 
     def _layout(self, levels: int) -> tuple:
-        """Descriptors of the finalize outputs for trees of ``levels`` levels, and per-request slices."""
-        n = self._native.num_nodes  # M + 1
+        """The finalize outputs for trees of ``levels`` levels (the native core's descriptors of them, the
+        torch core's tensors), and per-request slices."""
+        n = self._impl.num_nodes  # M + 1
         w = (n + 31) // 32
         tokens, parents, depth = self._t_tokens[:, :n], self._t_parents[:, :n], self._t_depth[:, :n]
         scores, candidates = self._t_scores[:, :n], self._t_candidates[:, :n]
         mask, paths = self._t_mask[:, :n, :w], self._t_paths[:, :n - 1, :levels + 1]
-        descriptors = (view(tokens, "tokens"), view(parents, "parents"), view(depth, "depth"),
-                       view(scores, "scores"), view(candidates, "candidates"), view(mask, "mask_words"),
-                       view(paths, "paths"), view(self._t_leaves, "num_leaves"),
-                       view(self._t_max_depth, "max_depth"))
+        outputs = dict(tokens=tokens, parents=parents, depth=depth, scores=scores, candidates=candidates,
+                       mask_words=mask, paths=paths, num_leaves=self._t_leaves, max_depth=self._t_max_depth)
+        descriptors = None if self._core is not None else tuple(
+            view(outputs[k], k) for k in ("tokens", "parents", "depth", "scores", "candidates", "mask_words", "paths",
+                                          "num_leaves", "max_depth"))
         # (as_strided of a request's paths costs less than slicing them: a finalize does it B times)
         slices = [(tokens[b], parents[b], depth[b], mask[b], paths[b], paths[b].stride(), paths[b].storage_offset(),
                    scores[b], candidates[b]) for b in range(self.batch)]
-        return descriptors, slices
+        return descriptors, outputs, slices
 
 
 def tree_from_selection(root_token: int, cands: Candidates, selected: Sequence[int]) -> DraftTree:
