@@ -196,6 +196,41 @@ def test_the_gpus_tree_core_drafts_the_native_cores_trees(models, ar_outputs, tr
             assert got_lengths == lengths and max(n for per in lengths for n in per) >= 3
 
 
+def test_head_agreement_is_the_drafts_inference_agreement(models, ar_outputs, trained_head):
+    """moespec.spec.train.head_agreement (teacher-forced, the training-time-test path) at step 0 against
+    the head's inference path: the draft caught up over each greedy continuation (the native step),
+    its top-1 / top-3 after every generated position compared with the target's next argmax."""
+    from moespec.spec.eagle3 import load_eagle3
+    from moespec.spec.train import head_agreement
+
+    prompts, want = ar_outputs
+    model = models["qwen3_moe"]
+    head = load_eagle3(trained_head, model)
+    sequences = [p + w for p, w in zip(prompts, want["qwen3_moe"])]
+    got = head_agreement(model, head, sequences, [len(p) for p in prompts], steps=2, top_k=3)
+    hits, rows, outside = torch.zeros(2), 0, 0
+    for seq, start in zip(sequences, [len(p) for p in prompts]):
+        T = len(seq)
+        cache = model.new_cache(1, T)
+        out = model.prefill(cache, [seq], logits="all")
+        argmax = out.logits[0].argmax(dim=-1)  # [T]
+        dc = head.new_cache(1, T)
+        step = dc.append_inputs([T - 1])  # entry s: the taps of position s with token s + 1
+        draft = head(dc, torch.tensor([seq[1:]]), tuple(h[:, : T - 1] for h in out.hidden),
+                     positions=step.positions, slots=step.slots, visible=step.visible)
+        for t in range(start - 2, T - 2):  # entry t proposes token t + 2
+            best = head.to_target(draft.logits[0, t].topk(3).indices)
+            hits += torch.tensor([float(best[0] == argmax[t + 1]), float(argmax[t + 1] in best)])
+            outside += int(not head.t2d[argmax[t + 1]])
+            rows += 1
+    assert got["rows"] == rows and got["outside_vocab"] == outside / rows
+    assert got["top1"][0] == pytest.approx(hits[0].item() / rows, abs=1.01 / rows)  # (a near-tie may round apart)
+    assert got["topk"][0] == pytest.approx(hits[1].item() / rows, abs=1.01 / rows)
+    assert got["top1"][0] > 0.1 and len(got["top1"]) == 2 and got["topk"][1] >= got["top1"][1]
+    with pytest.raises(ValueError, match="a start must lie in"):
+        head_agreement(model, head, sequences[:1], [len(sequences[0])])
+
+
 @pytest.fixture(scope="session")
 def tiny_vocab_target(tmp_path_factory):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

@@ -15,7 +15,10 @@ Measures (:func:`report` returns them as a dict and prints a table):
   The 60-token counts are checked against moespec's runtime, whose prefill reports each MoE
   layer's unique experts;
 - with ``--engine``, the engine's draft head on held-out chat prompts at its default tree: the
-  acceptance length and the share of steps that accepted at least d draft tokens, per depth d.
+  acceptance length and the share of steps that accepted at least d draft tokens, per depth d; and
+  teacher-forced on the same continuations, its top-1 / top-k agreement with the target by draft
+  step and the share of the target's tokens outside its draft vocabulary
+  (:func:`moespec.spec.train.head_agreement`).
 
     python -m moespec.default_model.report --model build/default-moe --cache build/cache/default-model
 
@@ -153,13 +156,19 @@ def head_acceptance(engine: str | Path, prompts: Sequence[str], max_tokens: int)
     from moespec.spec.llm import LLM
     from moespec.spec.sampling import SamplingParams
 
+    from moespec.spec.train import head_agreement
+
     llm = LLM(engine)
     outs = llm.generate(list(prompts), SamplingParams(max_tokens=max_tokens), use_tqdm=False)
     lengths = [n for o in outs for n in o.stats.acceptance_lengths]
     tree = llm.speculative_config
+    # teacher-forced on the same continuations (greedy eagle3 emits the target's greedy tokens)
+    sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    agreement = head_agreement(llm.target, llm.policy.head, sequences, [len(o.prompt_token_ids) for o in outs],
+                               top_k=tree.top_k)
     return {"tree": {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens},
             "prompts": len(prompts), "steps": len(lengths), "acceptance_length": sum(lengths) / max(len(lengths), 1),
-            "at_least": acceptance_by_depth(lengths, tree.depth)}
+            "at_least": acceptance_by_depth(lengths, tree.depth), "agreement": agreement}
 
 
 def report(model_dir: str | Path, *, cache_dir: str | Path, windows: int = 16, window: int = 512,
@@ -227,6 +236,10 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"\nhead (tree {h['tree']}, {h['prompts']} held-out chat prompts, greedy): acceptance length "
               f"{h['acceptance_length']:.2f}; steps accepting >= d draft tokens: "
               + "  ".join(f"d={d + 1}: {v:.2f}" for d, v in enumerate(h["at_least"])))
+        a = h["agreement"]
+        print(f"  teacher-forced on those continuations ({a['rows']} positions): top-1 / top-{a['top_k']} agreement "
+              "by step " + "  ".join(f"{j}: {t1:.2f} / {tk:.2f}" for j, (t1, tk) in enumerate(zip(a["top1"], a["topk"])))
+              + f"; the target's token outside the draft vocabulary: {a['outside_vocab']:.3f}")
     for s in r["samples"]:
         print(f"\n> {s['prompt']}\n  dense: {s['dense']!r}\n  MoE:   {s['moe']!r}")
 

@@ -178,6 +178,50 @@ def ttt_loss(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, tar
     return total, losses, agreement
 
 
+@torch.no_grad()
+def head_agreement(target, head: Eagle3Head, sequences: Sequence[Sequence[int]], starts: Sequence[int], *,
+                   steps: int = 3, top_k: int = 4) -> dict:
+    """Teacher-forced agreement of ``head`` with ``target`` on ``sequences`` (token ids: a prompt and
+    what the target generated after it, from index ``starts[b]`` on), by training-time-test step.
+
+    Step j at row t (target taps of token t, the true tokens up to t + 1 + j, its own outputs for
+    steps 1..j) predicts token t + 2 + j; a row counts where that token is generated (index >=
+    ``starts[b]``). Returns ``top1[j]`` and ``topk[j]`` (the target's argmax there is the head's first /
+    among its ``top_k`` best), ``outside_vocab`` (the share of those argmaxes the draft vocabulary
+    lacks: no head can propose them) and ``rows`` (positions counted at step 0). On the target's own
+    greedy continuations the argmax is the generated token, so top1[0] is the acceptance rate of a
+    first draft token that a chain of depth 1 would see at every position.
+    """
+    if len(sequences) != len(starts):
+        raise ValueError(f"head_agreement: {len(sequences)} sequences but {len(starts)} starts")
+    target.set_taps(head.config.aux_layers)
+    hits = torch.zeros(2, steps, dtype=torch.float64)  # [top-1 / top-k, step]
+    rows = torch.zeros(steps, dtype=torch.float64)
+    outside = 0.0
+    for seq, start in zip(sequences, starts):
+        T = len(seq)
+        if not 2 <= start < T:
+            raise ValueError(f"head_agreement: a start must lie in [2, len(sequence)), got {start} for {T} tokens")
+        tokens = torch.tensor([list(seq)], device=target.device)  # [1, T]
+        cache = target.new_cache(1, T)
+        out = target.prefill(cache, tokens.tolist(), logits="all")
+        want = out.logits[0].float().argmax(dim=-1)  # [T]: row p -> the target's argmax for token p + 1
+        drafts = head.ttt_forward(tokens, torch.cat(out.hidden, dim=-1).float(), steps)
+        for j, d in enumerate(drafts):
+            r = torch.arange(start - 2 - j, T - 2 - j, device=tokens.device)  # rows predicting tokens start..T-1
+            r = r[r >= 0]
+            w = want[r + 1 + j]  # [n]
+            best = head.to_target(d.logits[0, r].topk(min(top_k, d.logits.shape[-1]), dim=-1).indices)  # [n, k]
+            hits[0, j] += (best[:, 0] == w).sum().item()
+            hits[1, j] += (best == w[:, None]).any(dim=-1).sum().item()
+            rows[j] += len(r)
+            if j == 0:
+                outside += (~head.t2d[w]).sum().item()
+    share = hits / rows.clamp(min=1)
+    return {"steps": steps, "top_k": top_k, "top1": share[0].tolist(), "topk": share[1].tolist(),
+            "outside_vocab": outside / max(rows[0].item(), 1.0), "rows": int(rows[0].item())}
+
+
 # ---- the trainer --------------------------------------------------------------------------------
 
 
