@@ -4,7 +4,9 @@ model (H 2048, 32 query / 4 key-value heads of 128, 128 experts of 768, top-8; v
 chain (a verify pass), budget off and B in {16, 32, 64}: step time (median of CUDA-event-timed
 calls) against the unique experts a layer actually read, and against the roofline (dense bytes +
 unique-expert bytes) / the device copy bandwidth of the same run. Also the routing + budget op's
-share of a layer at T = 16. Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
+share of a layer at T = 16, and a draft round's tree work (expand_root, 5 expands, finalize at top-k
+8, 32 nodes) on the torch tree core on the GPU against the native core fed from the GPU (each
+level's top-k copied to the host). Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
 runtime"): within 15% of the roofline at T <= 16, with CUDA graphs (the "graphs" backend,
 moespec.runtime.graphs); each row times the eager reference backend and the graphs backend.
 """
@@ -15,6 +17,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import torch
 from gpu_common import event_seconds
@@ -49,6 +52,29 @@ def model() -> TargetModel:
     weights = ModelWeights(embed=rand(V, H), layers=layers, final_norm=torch.ones(H, **bf16),
                            lm_head=rand(V, H, scale=H**-0.5), dtype=torch.bfloat16)
     return TargetModel(config, weights)
+
+
+def draft_round_ms(batch: int, core: str, K: int = 8, depth: int = 6, total: int = 32, repeats: int = 20) -> float:
+    """Median wall-clock ms of one draft round's tree work with the level log-probs on the GPU."""
+    from moespec.spec.tree import TreeBuilder
+
+    builder = TreeBuilder(batch, depth=depth, top_k=K, total_tokens=total, device=CUDA if core == "torch" else None,
+                          core=core)
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    levels = [torch.randn(batch, *([K] if d else []), 4096, device=CUDA, generator=gen).log_softmax(-1).topk(K)
+              for d in range(depth)]
+    roots = torch.zeros(batch, dtype=torch.long, device=CUDA)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        clock = time.perf_counter()
+        builder.expand_root(roots, levels[0].indices, levels[0].values)
+        for top in levels[1:]:
+            builder.expand(top.indices, top.values)
+        builder.finalize()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - clock)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def main() -> int:
@@ -97,11 +123,15 @@ def main() -> int:
     layer_ms = next(r["graphs_ms"] for r in rows if r["T"] == 16 and r["budget"] == 32) / LAYERS
     print(f"routing + budget (T=16, B=32): {t_route * 1e6:.1f} us = {100 * t_route * 1e3 / layer_ms:.1f}% of a "
           f"verify layer ({layer_ms:.3f} ms)")
+    rounds = {f"B={B} {core}": draft_round_ms(B, core) for B in (1, 8) for core in ("torch", "native")}
+    print("draft round (top-k 8, depth 6, 32 nodes; wall clock, synchronised): "
+          + ", ".join(f"{k} {v:.3f} ms" for k, v in rounds.items()))
     out = os.environ.get("OUT")
     if out:
         path = pathlib.Path(out) / "runtime_bench.json"
         path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows,
-                                    "route_us": t_route * 1e6, "layer_ms": layer_ms}, indent=1))
+                                    "route_us": t_route * 1e6, "layer_ms": layer_ms, "draft_round_ms": rounds},
+                                   indent=1))
         print(f"wrote {path}")
     return 0
 
