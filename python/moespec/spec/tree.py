@@ -378,14 +378,18 @@ class TreeBuilder:
         if levels not in self._by_levels:
             self._by_levels[levels] = self._layout(levels)
         descriptors, outputs, slices = self._by_levels[levels]
+        B = self.batch
         if self._core is not None:
             self._core.finalize(outputs)
+            # the round's one copy back (a GPU's one synchronisation): the paths' shapes and the problems
+            host = torch.cat([self._t_leaves, self._t_max_depth, self._core.problems.int()]).tolist()
+            self._core.raise_recorded(host[2 * B:])
         else:
             self._impl.finalize(*descriptors)
+            host = torch.cat([self._t_leaves, self._t_max_depth]).tolist()
         trees = []
-        shapes = torch.stack([self._t_leaves, self._t_max_depth]).tolist()  # (a GPU's one copy back per round)
         for (tokens, parents, depth, mask, paths, strides, offset, scores, candidates), leaves, max_depth in zip(
-                slices, *shapes):
+                slices, host[:B], host[B: 2 * B]):
             paths = paths.as_strided((leaves, max_depth + 1), strides, offset)  # [P, max_depth+1]
             trees.append(DraftTree(tokens, parents, depth, mask, paths, scores, candidates))
         return trees

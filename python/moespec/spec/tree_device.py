@@ -24,7 +24,7 @@ root, N = M + 1, W = ceil(N / 32) mask words, L = levels + 1.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -135,8 +135,6 @@ class TorchTreeCore:
         paths [B, M, L], num_leaves and max_depth [B])."""
         if self.levels < 1:
             raise ValueError("finalize: the trees have no root yet: call expand_root first")
-        if not self.check_now:
-            self._raise_recorded()  # the one synchronisation of a round (with the leaf counts below)
         B, C, N = self.batch, self.num_candidates, self.num_nodes
         M, L = N - 1, self.levels + 1
         score = self._score[:, :C]
@@ -272,8 +270,15 @@ class TorchTreeCore:
                      tokens=self._bad_ids(tokens).any(), logprobs=self._bad_logprobs(logprobs).any())
         self._bad |= torch.stack([found[name] for name in _DEFERRED])
 
-    def _raise_recorded(self) -> None:
-        for flag, (name, what) in zip(self._bad.tolist(), _DEFERRED.items()):
+    @property
+    def problems(self) -> torch.Tensor:
+        """bool [len(_DEFERRED)] on the device: the problems recorded this round (all False on the CPU)."""
+        return self._bad
+
+    def raise_recorded(self, flags: Sequence[bool]) -> None:
+        """Raises the first problem of ``flags`` (:attr:`problems` on the host, copied back by the
+        caller with the round's other results: one synchronisation)."""
+        for flag, (name, what) in zip(flags, _DEFERRED.items()):
             if flag:
                 arg = "tokens" if name == "draft_ids" else name
                 raise ValueError(f"{arg}: expected {what} in this round's expand_root / expand calls, got other "
