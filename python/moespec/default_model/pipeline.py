@@ -80,7 +80,7 @@ class TreeSettings:
     """The engine's default draft tree (SpeculativeConfig's depth, top_k, total_tokens), chosen by
     measurement (README "Benchmark: the default engine"): on a 2-core CPU a verify pass costs more
     than a decode step from the first extra token, so the fastest tree is the smallest measured
-    (depth 2 / 4 nodes: eagle3 0.71x ar, against 0.67x at 3 / 6 and 0.56x at 4 / 8)."""
+    (depth 2 / 4 nodes: eagle3 0.78x ar with the 320-step head, against 0.71x at 3 / 6 and 0.66x at 4 / 8)."""
 
     depth: int = 2
     top_k: int = 4
