@@ -113,10 +113,10 @@ def check_contract(tree: DraftTree, total_tokens: int, num_candidates: int) -> N
 # ---- cases -----------------------------------------------------------------------------------------
 
 @st.composite
-def tree_cases(draw):
-    k = draw(st.integers(1, 10))
-    depth = draw(st.integers(1, 8))
-    total = draw(st.integers(1, 80))
+def tree_cases(draw, top_k=(1, 10), depths=(1, 8), totals=(1, 80)):
+    k = draw(st.integers(*top_k))
+    depth = draw(st.integers(*depths))
+    total = draw(st.integers(*totals))
     batch = draw(st.integers(1, 3))
     levels = draw(st.integers(1, depth))
     style = draw(st.sampled_from(["continuous", "coarse", "equal"]))
@@ -148,6 +148,19 @@ def tree_cases(draw):
 @SETTINGS
 @given(case=tree_cases())
 def test_trees_equal_the_eagle2_reference_at_every_level(core, case):
+    check_against_the_reference(core, case)
+
+
+@CORES
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=tree_cases(top_k=(1, 3), depths=(9, 24), totals=(30, 400)))
+def test_deep_and_large_trees_equal_the_reference(core, case):
+    # (the torch core packs several path columns into one sort key: deep trees need several keys,
+    # large ones several mask words and rounds of pointer doubling)
+    check_against_the_reference(core, case)
+
+
+def check_against_the_reference(core, case):
     k, depth, total, roots, (tok0, lp0), steps = case
     builder = TreeBuilder(roots.shape[0], depth=depth, top_k=k, total_tokens=total, core=core)
     frontiers = [builder.expand_root(roots, tok0, lp0).clone()]  # clones: the builder reuses its buffers

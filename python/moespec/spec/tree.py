@@ -333,12 +333,12 @@ class TreeBuilder:
         Frontier
             The K children of each root, best first (depth 1).
         """
+        tokens, ok = self._map(tokens)
         if self._core is not None:
-            tokens, bad = self._map_deferred(tokens)
-            self._core.expand_root(torch.as_tensor(root_tokens), tokens, logprobs, self._f_out, bad_draft_ids=bad)
+            self._core.expand_root(torch.as_tensor(root_tokens), tokens, logprobs, self._f_out, draft_ids_ok=ok)
             return self._current_frontier()
         # Locals keep converted copies alive while the native call reads them.
-        roots, tokens, logprobs = _cpu(torch.as_tensor(root_tokens)), self._map(tokens), _float32(logprobs)
+        roots, logprobs = _cpu(torch.as_tensor(root_tokens)), _float32(logprobs)
         self._impl.expand_root(view(roots, "root_tokens"), view(tokens, "tokens"), view(logprobs, "logprobs"),
                                *self._f_views)
         return self._current_frontier()
@@ -358,11 +358,11 @@ class TreeBuilder:
         Frontier
             The K best of the K^2 new candidates of each request, best first.
         """
+        tokens, ok = self._map(tokens)
         if self._core is not None:
-            tokens, bad = self._map_deferred(tokens)
-            self._core.expand(tokens, logprobs, self._f_out, bad_draft_ids=bad)
+            self._core.expand(tokens, logprobs, self._f_out, draft_ids_ok=ok)
             return self._current_frontier()
-        tokens, logprobs = self._map(tokens), _float32(logprobs)  # locals: alive during the call
+        logprobs = _float32(logprobs)  # locals: alive during the call
         self._impl.expand(view(tokens, "tokens"), view(logprobs, "logprobs"), *self._f_views)
         return self._current_frontier()
 
@@ -414,25 +414,23 @@ class TreeBuilder:
                                       self._f_scores, levels)
         return self._frontier
 
-    def _map(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Draft ids -> target ids on the builder's device, checked now."""
-        if self._d2t is not None and isinstance(tokens, torch.Tensor):
-            V = self._d2t.shape[0]
-            tokens = tokens.to(self.device, non_blocking=True)
-            if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= V):
-                raise ValueError(f"tokens: draft ids must lie in [0, {V}) to be mapped through d2t, "
-                                 f"got values in [{int(tokens.min())}, {int(tokens.max())}]")
-            tokens = tokens + self._d2t[tokens]
-        return tokens if self._core is not None else _cpu(tokens)
-
-    def _map_deferred(self, tokens) -> tuple:
-        """The torch core's mapping: off the CPU the range check is a device flag for the finalize
-        (returned with the mapped ids; None when checked now or without a d2t)."""
-        if self._d2t is None or self._core.check_now or not isinstance(tokens, torch.Tensor):
-            return self._map(tokens), None
+    def _map(self, tokens) -> tuple:
+        """Draft ids -> target ids on the builder's device, and the torch core's deferred flag that
+        they were all in range (off the CPU it is raised at the finalize; None where the range is
+        checked now, or without a d2t)."""
+        if self._d2t is None or not isinstance(tokens, torch.Tensor):
+            return (tokens if self._core is not None else _cpu(tokens)), None
         V = self._d2t.shape[0]
         tokens = tokens.to(self.device, non_blocking=True)
-        return tokens + self._d2t[tokens.clamp(0, V - 1)], ((tokens < 0) | (tokens >= V)).any()
+        inside = tokens.clamp(0, V - 1)
+        ok = inside.eq(tokens).all()
+        if self._core is None or self._core.check_now:
+            if not bool(ok):
+                raise ValueError(f"tokens: draft ids must lie in [0, {V}) to be mapped through d2t, "
+                                 f"got values in [{int(tokens.min())}, {int(tokens.max())}]")
+            ok = None
+        tokens = tokens + self._d2t[inside]
+        return (tokens if self._core is not None else _cpu(tokens)), ok
 
     def _layout(self, levels: int) -> tuple:
         """The finalize outputs for trees of ``levels`` levels (the native core's descriptors of them, the

@@ -32,6 +32,7 @@ from moespec.spec.tree import _bits_as_int32, _describe
 
 LOGPROB_TOLERANCE = 1e-3  # (kDraftLogprobTolerance) the largest log-prob accepted, counted as 0
 _MAX_TOKEN = 2**31 - 1
+_MAX_KEY = 2**63 - 1  # a sort key above every path's
 _DEFERRED = {  # what a GPU round's finalize reports: argument -> what was expected
     "root_tokens": "token ids in [0, 2^31)",
     "draft_ids": "draft ids in [0, V_draft) (to be mapped through d2t)",  # (before tokens: the cause)
@@ -41,7 +42,12 @@ _DEFERRED = {  # what a GPU round's finalize reports: argument -> what was expec
 
 
 class TorchTreeCore:
-    """B requests' EAGLE-2 trees in lockstep, in torch ops on ``device`` (buffers allocated once)."""
+    """B requests' EAGLE-2 trees in lockstep, in torch ops on ``device`` (buffers allocated once).
+
+    A round is a fixed sequence of about 20 kernels per level and 60 at the finalize (B = 8, top-k 8,
+    depth 6: ~190 in all): what is fixed by the shape (each candidate's depth, the roots' parent, the
+    masks' own bits, the sort keys' weights) is computed once per tree size, outputs are written in
+    place (``out=``), and problems are recorded as flags copied back with the finalize's results."""
 
     def __init__(self, batch: int, depth: int, top_k: int, total_tokens: int, device: torch.device):
         for name, value, low, high in (("batch", batch, 1, None), ("depth", depth, 1, 64), ("top_k", top_k, 1, 64),
@@ -54,13 +60,17 @@ class TorchTreeCore:
         self.levels = 0
         B, K, C = batch, top_k, self.candidates_after(depth)
         kw = dict(device=self.device)
+        index = torch.arange(C)
         self._tokens = torch.zeros(B, C, dtype=torch.int64, **kw)  # [B, C]
-        self._parent = torch.zeros(B, C, dtype=torch.int64, **kw)  # [B, C] candidate index, -1: the root
-        self._depth = torch.zeros(B, C, dtype=torch.int32, **kw)  # [B, C]
+        self._parent = torch.full((B, C), -1, dtype=torch.int32, **kw)  # [B, C] candidate index, -1: the root
+        self._depth = torch.where(index < K, 1, 2 + (index - K).clamp(min=0) // (K * K)).to(**kw).expand(B, C)
         self._score = torch.zeros(B, C, dtype=torch.float32, **kw)  # [B, C]
         self._root = torch.zeros(B, dtype=torch.int64, **kw)  # [B]
         self._frontier = torch.zeros(B, K, dtype=torch.int64, **kw)  # [B, K] candidate indices, best first
-        self._bad = torch.zeros(len(_DEFERRED), dtype=torch.bool, **kw)  # deferred problems, by _DEFERRED
+        # node_of[b, c + 1]: the tree node of candidate c (column 0: the root's -1 -> node 0)
+        self._node_of = torch.zeros(B, C + 1, dtype=torch.int64, **kw)
+        self._flags: list[tuple[int, torch.Tensor]] = []  # this round's (problem, ok flag), off the CPU
+        self._by_nodes: dict[tuple[int, int], dict] = {}  # (N, L) -> what a finalize of that shape reuses
 
     # -- sizes -------------------------------------------------------------------------------------
 
@@ -83,29 +93,28 @@ class TorchTreeCore:
     # -- one round ---------------------------------------------------------------------------------
 
     def expand_root(self, roots: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, out: dict,
-                    bad_draft_ids: Optional[torch.Tensor] = None) -> None:
+                    draft_ids_ok: Optional[torch.Tensor] = None) -> None:
         """roots [B], tokens [B, K] (target ids), logprobs [B, K] float; writes the frontier ``out``.
-        ``bad_draft_ids``: the caller's deferred flag for draft ids it could not map."""
+        ``draft_ids_ok``: the caller's deferred flag for the draft ids it mapped to ``tokens``."""
         B, K = self.batch, self.top_k
         roots = self._ids(roots, "root_tokens", (B,))
         tokens = self._ids(tokens, "tokens", (B, K))
         logprobs = self._logprobs(logprobs, (B, K))
         self._check(roots, tokens, logprobs)
-        self._bad.zero_()
-        self._record_bad(roots, tokens, logprobs, bad_draft_ids)
-        self._root.copy_(roots.clamp(0, _MAX_TOKEN))
-        self._tokens[:, :K] = tokens.clamp(0, _MAX_TOKEN)
-        self._parent[:, :K] = -1
-        self._depth[:, :K] = 1
-        score = logprobs.clamp(max=0.0)
-        self._score[:, :K] = score
-        order = torch.sort(score, dim=1, descending=True, stable=True).indices  # [B, K]
-        self._frontier.copy_(order)
+        self._flags = []
+        self._store_ids(roots, self._root, "root_tokens")
+        self._store_ids(tokens, self._tokens[:, :K], "tokens", draft_ids_ok)
+        self._record("logprobs", lambda: logprobs.le(LOGPROB_TOLERANCE).all())
+        torch.clamp(logprobs, max=0.0, out=self._score[:, :K])  # (the first K parents: -1 since __init__)
+        torch.sort(self._score[:, :K], dim=1, descending=True, stable=True, out=(out["scores"], self._frontier))
         self.levels = 1
-        self._write_frontier(out, torch.full_like(order, -1))
+        out["index"].copy_(self._frontier)
+        torch.gather(self._tokens, 1, self._frontier, out=out["tokens"])
+        out["parent"].fill_(-1)
+        out["parent_slot"].fill_(-1)
 
     def expand(self, tokens: torch.Tensor, logprobs: torch.Tensor, out: dict,
-               bad_draft_ids: Optional[torch.Tensor] = None) -> None:
+               draft_ids_ok: Optional[torch.Tensor] = None) -> None:
         """tokens [B, K, K] (target ids; row s: the children of frontier slot s), logprobs [B, K, K]."""
         B, K = self.batch, self.top_k
         if self.levels < 1:
@@ -116,18 +125,21 @@ class TorchTreeCore:
         tokens = self._ids(tokens, "tokens", (B, K, K))
         logprobs = self._logprobs(logprobs, (B, K, K))
         self._check(None, tokens, logprobs)
-        self._record_bad(None, tokens, logprobs, bad_draft_ids)
         base, n = self.num_candidates, K * K
         parent = self._frontier  # [B, K]
-        score = (self._score.gather(1, parent)[:, :, None] + logprobs.clamp(max=0.0)).reshape(B, n)  # [B, K K]
-        self._tokens[:, base: base + n] = tokens.clamp(0, _MAX_TOKEN).reshape(B, n)
-        self._parent[:, base: base + n] = parent[:, :, None].expand(B, K, K).reshape(B, n)
-        self._depth[:, base: base + n] = self.levels + 1
-        self._score[:, base: base + n] = score
-        best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :K]  # [B, K] among the new
-        self._frontier.copy_(best + base)
+        self._store_ids(tokens, self._tokens[:, base: base + n].view(B, K, K), "tokens", draft_ids_ok)
+        self._record("logprobs", lambda: logprobs.le(LOGPROB_TOLERANCE).all())
+        score = self._score[:, base: base + n]  # [B, K K]
+        torch.add(self._score.gather(1, parent)[:, :, None], logprobs.clamp(max=0.0), out=score.view(B, K, K))
+        self._parent[:, base: base + n].view(B, K, K).copy_(parent[:, :, None].expand(B, K, K))
+        best = torch.sort(score, dim=1, descending=True, stable=True)
+        torch.add(best.indices[:, :K], base, out=self._frontier)
         self.levels += 1
-        self._write_frontier(out, best // K)
+        out["index"].copy_(self._frontier)
+        out["scores"].copy_(best.values[:, :K])
+        torch.gather(self._tokens, 1, self._frontier, out=out["tokens"])
+        torch.gather(self._parent, 1, self._frontier, out=out["parent"])
+        torch.floor_divide(best.indices[:, :K], K, out=out["parent_slot"])
 
     def finalize(self, out: dict) -> None:
         """Writes the trees of the best min(total_tokens, C) candidates into ``out`` (the views of
@@ -137,83 +149,136 @@ class TorchTreeCore:
             raise ValueError("finalize: the trees have no root yet: call expand_root first")
         B, C, N = self.batch, self.num_candidates, self.num_nodes
         M, L = N - 1, self.levels + 1
+        at = self._shape_constants(N, L)
+        up, ext_depth = at["up"], at["depth"]  # [B, N + 1]: parent / depth per node, column N: a sentinel
         score = self._score[:, :C]
-        rank = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :M].sort(dim=1).values  # [B, M]
-        node_of = torch.full((B, C), -1, dtype=torch.int64, device=self.device)  # [B, C]
-        node_of.scatter_(1, rank, torch.arange(1, N, device=self.device).expand(B, M))
-        cparent = self._parent[:, :C].gather(1, rank)  # [B, M]
-        parents = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=self.device),
-                             torch.where(cparent < 0, 0, node_of.gather(1, cparent.clamp(min=0)))], dim=1)  # [B, N]
-        depth = torch.cat([torch.zeros(B, 1, dtype=torch.int32, device=self.device),
-                           self._depth[:, :C].gather(1, rank)], dim=1)  # [B, N]
-        out["tokens"].copy_(torch.cat([self._root[:, None], self._tokens[:, :C].gather(1, rank)], dim=1))
-        out["parents"].copy_(parents)
-        out["depth"].copy_(depth)
-        out["scores"].copy_(torch.cat([torch.zeros(B, 1, device=self.device), score.gather(1, rank)], dim=1))
-        out["candidates"].copy_(torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=self.device), rank], 1))
-        out["mask_words"].copy_(self._masks(parents))
-        leaf = torch.ones(B, N + 1, dtype=torch.bool, device=self.device)
-        leaf.scatter_(1, parents + 1, False)  # column p + 1: node p has a child (column 0: the root's -1)
-        leaf = leaf[:, 1:]  # [B, N]
-        out["paths"].copy_(self._paths(parents, depth, leaf, L)[:, :M])
-        out["num_leaves"].copy_(leaf.sum(dim=1))
-        out["max_depth"].copy_(depth.max(dim=1).values)
+        top = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :M]
+        rank = torch.sort(top, dim=1).values  # [B, M] the chosen candidates in creation order (ancestor-closed)
+        self._node_of.scatter_(1, rank + 1, at["nodes"])
+        parent1 = torch.add(self._parent[:, :C].gather(1, rank), 1, out=at["parent1"])  # [B, M] int64
+        torch.gather(self._node_of, 1, parent1, out=up[:, 1:N])  # (the roots' children: node 0)
+        torch.gather(self._depth[:, :C], 1, rank, out=ext_depth[:, 1:N])
+        out["tokens"][:, 0].copy_(self._root)
+        torch.gather(self._tokens[:, :C], 1, rank, out=out["tokens"][:, 1:])
+        out["parents"][:, 0].fill_(-1)
+        out["parents"][:, 1:].copy_(up[:, 1:N])
+        out["depth"].copy_(ext_depth[:, :N])
+        out["scores"][:, 0].fill_(0.0)
+        torch.gather(score, 1, rank, out=out["scores"][:, 1:])
+        out["candidates"][:, 0].fill_(-1)
+        out["candidates"][:, 1:].copy_(rank)
+        self._masks(up, at, out["mask_words"])
+        leaf = at["leaf"]  # [B, N + 1]
+        leaf.fill_(True)
+        leaf.scatter_(1, up[:, 1:N], False)  # (column N, the sentinel: nobody's parent)
+        leaf = leaf[:, :N]
+        torch.sum(leaf, dim=1, dtype=torch.int32, out=out["num_leaves"])
+        out["max_depth"].copy_(ext_depth[:, :N].amax(dim=1))
+        self._paths(up, ext_depth, leaf, out["num_leaves"], at, out["paths"])
+
+    @property
+    def problems(self) -> torch.Tensor:
+        """bool [F] on the device: this round's ok flags (none on the CPU, which checks at the call)."""
+        if not self._flags:
+            return torch.ones(0, dtype=torch.bool, device=self.device)
+        return torch.stack([ok for _, ok in self._flags])
+
+    def raise_recorded(self, flags: Sequence[bool]) -> None:
+        """Raises the first problem (in ``_DEFERRED`` order) whose flag in ``flags`` (:attr:`problems`
+        on the host, copied back by the caller with the round's other results: one synchronisation)
+        is not ok."""
+        failed = {name for (name, _), ok in zip(self._flags, flags) if not ok}
+        for name, what in _DEFERRED.items():
+            if name in failed:
+                arg = "tokens" if name == "draft_ids" else name
+                raise ValueError(f"{arg}: expected {what} in this round's expand_root / expand calls, got other "
+                                 f"values (checked at finalize on {self.device}); start the next round with "
+                                 "expand_root")
 
     def read_candidates(self, b: int) -> tuple[torch.Tensor, ...]:
         """Request ``b``'s candidate records [C] on the CPU: tokens, parents, depth, scores."""
         if not 0 <= b < self.batch:
             raise ValueError(f"b: expected a request index in [0, {self.batch}), got {b}")
         C = self.num_candidates
-        return (self._tokens[b, :C].cpu(), self._parent[b, :C].int().cpu(), self._depth[b, :C].cpu(),
+        return (self._tokens[b, :C].cpu(), self._parent[b, :C].cpu(), self._depth[b, :C].int().cpu(),
                 self._score[b, :C].cpu())
 
     # -- the tree tensors --------------------------------------------------------------------------
 
-    def _masks(self, parents: torch.Tensor) -> torch.Tensor:
-        """int32 [B, N, W] ancestor-or-self rows: each node's own bit, OR-ed up its parent chain by
-        ``levels`` rounds of pointer jumping over the packed rows."""
-        B, N = parents.shape
-        W = (N + 31) // 32
-        node = torch.arange(N, device=self.device)
-        own = torch.zeros(N, W, dtype=torch.int64, device=self.device)
-        own[node, node // 32] = 1 << (node % 32)
-        own = _bits_as_int32(own)[None].expand(B, N, W)  # [B, N, W]
-        rows = own
-        up = parents.clamp(min=0)[:, :, None].expand(B, N, W)  # the root's parent: itself (its row is final)
-        for _ in range(self.levels):
-            rows = own | rows.gather(1, up)
-        return rows
+    def _shape_constants(self, N: int, L: int) -> dict:
+        """What every finalize of N nodes and L path columns reuses, built at its first finalize."""
+        key = (N, L)
+        if key not in self._by_nodes:
+            B, W, kw = self.batch, (N + 31) // 32, dict(device=self.device)
+            node = torch.arange(N + 1)
+            own = torch.zeros(N + 1, W, dtype=torch.int64)  # row N: the sentinel's, no bits
+            own[node[:N], node[:N] // 32] = 1 << (node[:N] % 32)
+            up = torch.full((B, N + 1), N, dtype=torch.int64)  # the root's parent and the sentinel's: N
+            depth = torch.zeros(B, N + 1, dtype=torch.int64)
+            depth[:, N] = L  # a walk that passes the root writes into the discarded column L
+            bits = max(1, N.bit_length())  # a path entry + 1 lies in [0, N]
+            per = max(1, 62 // bits)  # path columns per int64 sort key
+            weights = [torch.tensor([(N + 1) ** (min(L, c + per) - 1 - d) for d in range(c, min(L, c + per))])
+                       for c in range(1, L, per)]  # (column 0, the root, is every path's)
+            self._by_nodes[key] = dict(
+                own=_bits_as_int32(own)[None].expand(B, N + 1, W).to(**kw), up=up.to(**kw), depth=depth.to(**kw),
+                nodes=torch.arange(1, N, **kw).expand(B, N - 1), start=torch.arange(N, **kw).expand(B, N),
+                parent1=torch.empty(B, N - 1, dtype=torch.int64, **kw), leaf=torch.empty(B, N + 1, dtype=torch.bool, **kw),
+                paths=torch.empty(B, N, L + 1, dtype=torch.int64, **kw), columns=range(1, L, per),
+                weights=[w.to(**kw) for w in weights], slot=torch.arange(N, **kw)[None, :])
+        return self._by_nodes[key]
 
-    def _paths(self, parents: torch.Tensor, depth: torch.Tensor, leaf: torch.Tensor, L: int) -> torch.Tensor:
-        """int32 [B, N, L]: the root-to-leaf paths of the leaves in lexicographic order, then -1 rows."""
-        B, N = parents.shape
-        paths = torch.full((B, N, L + 1), -1, dtype=torch.int64, device=self.device)  # column L: discarded writes
-        node = torch.arange(N, device=self.device).expand(B, N)
-        for _ in range(L):  # walk up from every node: entry depth(u) of row n is u
-            valid = node >= 0
-            at = torch.where(valid, depth.gather(1, node.clamp(min=0)).long(), L)
-            paths.scatter_(2, at[:, :, None], node[:, :, None])
-            node = torch.where(valid, parents.gather(1, node.clamp(min=0)), -1)
+    def _masks(self, up: torch.Tensor, at: dict, out: torch.Tensor) -> None:
+        """int32 [B, N, W] ancestor-or-self rows by pointer doubling over the packed rows: after round
+        r a row holds the node and its 2^r - 1 nearest ancestors (the sentinel's row: none)."""
+        B, N1, W = at["own"].shape
+        rows, jump, reach = at["own"], up, 1
+        while reach < self.levels + 1:
+            rows = rows | rows.gather(1, jump[:, :, None].expand(B, N1, W))
+            reach *= 2
+            if reach < self.levels + 1:
+                jump = jump.gather(1, jump)
+        out.copy_(rows[:, : N1 - 1])
+
+    def _paths(self, up: torch.Tensor, depth: torch.Tensor, leaf: torch.Tensor, num_leaves: torch.Tensor,
+               at: dict, out: torch.Tensor) -> None:
+        """int32 [B, M, L]: the root-to-leaf paths of the leaves in lexicographic order, then -1 rows."""
+        paths = at["paths"]  # [B, N, L + 1], column L: discarded writes
+        B, N, L = paths.shape[0], paths.shape[1], paths.shape[2] - 1
+        paths.fill_(-1)
+        node = at["start"]
+        for step in range(L):  # walk up from every node: entry depth(u) of row n is u
+            paths.scatter_(2, depth.gather(1, node)[:, :, None], node[:, :, None])
+            if step + 1 < L:
+                node = up.gather(1, node)
         paths = paths[:, :, :L]
-        order = torch.arange(N, device=self.device).expand(B, N)
-        for d in range(L - 1, -1, -1):  # least significant column first; stable sorts keep the rest
-            key = paths.gather(1, order[:, :, None].expand(B, N, L))[:, :, d]
-            order = order.gather(1, torch.sort(key, dim=1, stable=True).indices)
-        first = torch.sort((~leaf).gather(1, order).to(torch.int8), dim=1, stable=True).indices
-        order = order.gather(1, first)  # leaves first, in path order
-        rows = paths.gather(1, order[:, :, None].expand(B, N, L))
-        keep = torch.arange(N, device=self.device)[None, :] < leaf.sum(dim=1, keepdim=True)
-        return torch.where(keep[:, :, None], rows, -1).to(torch.int32)
+        order = None  # leaves in path order: stable sorts of packed keys, least significant columns first
+        for j in range(len(at["columns"]) - 1, -1, -1):
+            c, w = at["columns"][j], at["weights"][j]
+            block = paths[:, :, c: c + len(w)] if order is None else \
+                paths.gather(1, order[:, :, None].expand(B, N, L))[:, :, c: c + len(w)]
+            key = ((block + 1) * w).sum(dim=2)  # [B, N]
+            if j == 0:  # the most significant key sorts the other nodes after the leaves
+                leaves_now = leaf if order is None else leaf.gather(1, order)
+                key = torch.where(leaves_now, key, _MAX_KEY)
+            sorted_ = torch.sort(key, dim=1, stable=True).indices
+            order = sorted_ if order is None else order.gather(1, sorted_)
+        rows = paths.gather(1, order[:, : N - 1, None].expand(B, N - 1, L))
+        out.copy_(torch.where(at["slot"][:, : N - 1, None] < num_leaves[:, None, None], rows, -1))
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _write_frontier(self, out: dict, parent_slot: torch.Tensor) -> None:
-        cand = self._frontier
-        out["index"].copy_(cand)
-        out["tokens"].copy_(self._tokens.gather(1, cand))
-        out["parent"].copy_(self._parent.gather(1, cand))
-        out["parent_slot"].copy_(parent_slot)
-        out["scores"].copy_(self._score.gather(1, cand))
+    def _store_ids(self, t: torch.Tensor, dest: torch.Tensor, name: str, draft_ids_ok=None) -> None:
+        """Writes ids clamped into [0, 2^31) (bad input never reaches a device assert) and records
+        whether the clamp changed any (and the caller's draft-id flag)."""
+        torch.clamp(t, 0, _MAX_TOKEN, out=dest)
+        if draft_ids_ok is not None:
+            self._flags.append(("draft_ids", draft_ids_ok))
+        self._record(name, lambda: dest.eq(t).all())
+
+    def _record(self, name: str, ok) -> None:
+        if not self.check_now:
+            self._flags.append((name, ok()))
 
     def _ids(self, t, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = torch.as_tensor(t)
@@ -258,29 +323,3 @@ class TorchTreeCore:
                 value = t[first].item()
                 value = f"{value:g}" if isinstance(value, float) else value  # (as the native core prints it)
                 raise ValueError(f"{name}: expected {what}, got {value} at [{', '.join(map(str, first))}]")
-
-    def _record_bad(self, roots: Optional[torch.Tensor], tokens: torch.Tensor, logprobs: torch.Tensor,
-                    bad_draft_ids: Optional[torch.Tensor]) -> None:
-        """Off the CPU: ORs this call's problems into the device flags (no synchronisation)."""
-        if self.check_now:
-            return
-        no = torch.zeros((), dtype=torch.bool, device=self.device)
-        found = dict(root_tokens=no if roots is None else self._bad_ids(roots).any(),
-                     draft_ids=no if bad_draft_ids is None else bad_draft_ids.to(self.device),
-                     tokens=self._bad_ids(tokens).any(), logprobs=self._bad_logprobs(logprobs).any())
-        self._bad |= torch.stack([found[name] for name in _DEFERRED])
-
-    @property
-    def problems(self) -> torch.Tensor:
-        """bool [len(_DEFERRED)] on the device: the problems recorded this round (all False on the CPU)."""
-        return self._bad
-
-    def raise_recorded(self, flags: Sequence[bool]) -> None:
-        """Raises the first problem of ``flags`` (:attr:`problems` on the host, copied back by the
-        caller with the round's other results: one synchronisation)."""
-        for flag, (name, what) in zip(flags, _DEFERRED.items()):
-            if flag:
-                arg = "tokens" if name == "draft_ids" else name
-                raise ValueError(f"{arg}: expected {what} in this round's expand_root / expand calls, got other "
-                                 f"values (checked at finalize on {self.device}); start the next round with "
-                                 "expand_root")
