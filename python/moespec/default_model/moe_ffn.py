@@ -141,8 +141,8 @@ class MoeFFN(_RoutedFFN):
             if len(rows):
                 gu = rows @ self.gate_up[e].T  # [n_e, 2m]
                 ys.append((F.silu(gu[:, :m]) * gu[:, m:]) @ self.down[e].T)  # [n_e, H]
-        y = torch.cat(ys) * weights.reshape(-1)[order, None]  # [T K, H]
-        return h.new_zeros(T, H).index_add(0, token, y)
+        y = torch.cat(ys) * weights.reshape(-1)[order, None]  # [T K, H] (bf16 under autocast)
+        return h.new_zeros(T, H).index_add(0, token, y.to(h.dtype))  # (index_add is not autocast: h's dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
