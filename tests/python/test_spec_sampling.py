@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from moespec.spec.sampling import SamplingParams, accept, probabilities
+from moespec.spec.sampling import SamplingParams, accept, greedy_choice, probabilities
 
 
 def test_greedy_follows_matching_children_and_adds_the_bonus():
@@ -23,6 +23,23 @@ def test_greedy_follows_matching_children_and_adds_the_bonus():
     logits[0, 6], logits[0, 9] = -9.0, 1.0  # now the root's argmax (9) matches no child
     got = accept(tokens, parents, logits, SamplingParams())
     assert got.path == [0] and got.tokens == [9]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 3000), st.sampled_from([torch.bfloat16, torch.float32]),
+       st.sampled_from([None, 3]), st.integers(0, 2**31 - 1))
+def test_greedy_choice_is_argmax_with_ties_to_the_first(rows, vocab, dtype, levels, seed):
+    # (levels: logits rounded to a few values, so most rows have several maxima; plus -inf and NaN rows)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g)
+    if levels:
+        x = (x * levels).round()
+    x[torch.rand(rows, vocab, generator=g) < 0.1] = float("-inf")
+    if rows > 1:
+        x[-1, int(torch.randint(vocab, (), generator=g))] = float("nan")
+    x = x.to(dtype)
+    assert torch.equal(greedy_choice(x), x.argmax(dim=-1))
+    assert int(greedy_choice(x[0])) == int(x[0].argmax())
 
 
 @settings(max_examples=50, deadline=None)

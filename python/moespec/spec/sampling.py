@@ -75,10 +75,17 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension (long [...]). ``max(dim).indices`` is documented, as
+    ``argmax`` is, to give the first maximal index, and it is ~5x faster on bf16 CPU logits (0.12
+    against 0.63 ms for 5 x 49,152 here): what every greedy choice of the target goes through."""
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
     """One token from logits [V]: argmax when greedy, else a draw from :func:`probabilities`."""
     if params.greedy:
-        return int(logits.argmax())
+        return int(greedy_choice(logits))
     # drawn on the host: the request's generator is a CPU one, whatever device the logits come from
     return int(torch.multinomial(probabilities(logits.cpu(), params), 1, generator=generator))
 
@@ -106,7 +113,7 @@ def accept(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, 
     path, out = [0], []
     node = 0
     if params.greedy:
-        choice = logits.argmax(dim=-1).tolist()  # [M + 1]
+        choice = greedy_choice(logits).tolist()  # [M + 1]
         while True:
             nxt = next((c for c in kids[node] if tokens[c] == choice[node]), None)
             if nxt is None:
@@ -156,7 +163,7 @@ def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Te
             tokens[b, : t.num_nodes], parents[b, : t.num_nodes] = t.tokens, t.parents.long()
     depth = max(t.paths.shape[1] - 1 for t in live)  # the deepest tree's depth (a shape: no sync)
     tokens, parents = tokens.to(dev, non_blocking=True), parents.to(dev, non_blocking=True)
-    choice = logits.argmax(dim=-1)  # [B, T]
+    choice = greedy_choice(logits)  # [B, T]
     index = torch.arange(T, device=dev)[None, :]
     match = (parents >= 0) & (tokens == choice.gather(1, parents.clamp(min=0)))  # [B, T]
     node = torch.zeros(B, 1, dtype=torch.long, device=dev)  # the path's last node
