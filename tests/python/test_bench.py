@@ -270,7 +270,12 @@ def test_compare_end_to_end(tiny):
     assert result["reference_policy"] == "eagle3" and result["num_requests"] == 3
     e3, ar, b4 = rows["eagle3"], rows["ar"], rows["eagle3+budget:4"]
     assert e3["identical_share"] == 1.0 and e3["token_match_rate"] == 1.0 and e3["logprob_delta"] == 0.0
-    assert e3["speedup_vs_eagle3"] == 1.0 and ar["speedup_vs_ar"] == 1.0
+    assert e3["speedup_vs_eagle3"] == 1.0 and ar["speedup_vs_ar"] == 1.0 and ar["decode_speedup_vs_ar"] == 1.0
+    for r in rows.values():  # the decode phase: tokens after the first over the time after the first token
+        recs = result["reports"][r["label"]]["requests"]
+        want = sum(q["output_tokens"] - 1 for q in recs) / (sum(q["end_ns"] - q["first_token_ns"] for q in recs) / 1e9)
+        assert r["decode_tokens_per_s"] == pytest.approx(want, rel=1e-9)
+        assert r["decode_speedup_vs_ar"] == pytest.approx(r["decode_tokens_per_s"] / ar["decode_tokens_per_s"])
     assert ar["kept_unique_per_layer"] == 4.0 and ar["acceptance_length"] == 1.0  # batch 1: top_k per layer
     assert b4["kept_unique_per_layer"] <= 4.0 <= b4["natural_unique_per_layer"]
     assert b4["scored_tokens"] == e3["scored_tokens"] == (9 - 1) + (12 - 1) + (7 - 1)

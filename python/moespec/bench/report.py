@@ -285,6 +285,7 @@ COMPARE_COLUMNS = (  # (header, key, format); None values print as "-"
     ("tok/s", "tokens_per_s", ">9.2f"),
     ("x ar", "speedup_vs_ar", ">6.3f"),
     ("x eagle3", "speedup_vs_eagle3", ">8.3f"),
+    ("dec x ar", "decode_speedup_vs_ar", ">8.3f"),
     ("AL", "acceptance_length", ">6.3f"),
     ("experts/layer", "kept_unique_per_layer", ">13.2f"),
     ("natural", "natural_unique_per_layer", ">8.2f"),

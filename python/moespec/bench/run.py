@@ -546,7 +546,9 @@ def run_compare(engine: Union[str, Path, Engine], dataset: Union[str, Path], pol
     rows = _compare_rows(choices, cols, reports, scores, reference, done)
     notes = [
         "tok/s: output tokens / summed wall time of the policy's own generate calls (policies interleaved batch "
-        "by batch, order rotated each round); x ar, x eagle3: ratios of tok/s",
+        "by batch, order rotated each round); x ar, x eagle3: ratios of tok/s; dec x ar: the ratio over the decode "
+        "phase alone (tokens after the first / time after the first token, i.e. 1 / TPOT), where speculation "
+        "acts (tok/s also holds the prefill and the first token)",
         "AL: acceptance length, sum OSL / sum (target steps after the prefill + 1); experts/layer: mean over verify "
         "steps of the mean over MoE layers of kept unique experts (natural: before the budget)",
         f"identical: share of requests whose output equals {reference}'s token for token; match: tokens up to the "
@@ -591,12 +593,16 @@ def _compare_rows(choices, cols, reports, scores, reference, done) -> list[dict[
         steps = [s for s in col.steps if s.measured] or list(col.steps)  # estimated ones when none is measured
         osl = sum(r.output_tokens for r in col.records)
         seconds = col.elapsed_ns / m.NS_PER_S
+        # the decode phase (what speculation changes): tokens after the first, over the time after it
+        decode_tokens = sum(max(r.output_tokens - 1, 0) for r in col.records)
+        decode_s = sum(r.end_ns - r.first_token_ns for r in col.records) / m.NS_PER_S
         total, count = scores[c.label]
         agree = m.agreement([col.outputs[r.task_id] for r in done], ref_outputs)
         rows.append({
             "label": c.label, "policy": c.config.policy, "budget": c.budget, "output_tokens": osl,
             "total_time_s": seconds, "tokens_per_s": osl / seconds if seconds > 0 else 0.0,
             "speedup_vs_ar": None, "speedup_vs_eagle3": None,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else 0.0, "decode_speedup_vs_ar": None,
             "acceptance_length": m.acceptance_length(col.records),
             "kept_unique_per_layer": _mean_unique(steps, "kept"),
             "natural_unique_per_layer": _mean_unique(steps, "natural"),
@@ -610,6 +616,8 @@ def _compare_rows(choices, cols, reports, scores, reference, done) -> list[dict[
         for base in ("ar", "eagle3"):
             if base in by_label and by_label[base]["tokens_per_s"] > 0:
                 row[f"speedup_vs_{base}"] = row["tokens_per_s"] / by_label[base]["tokens_per_s"]
+        if "ar" in by_label and by_label["ar"]["decode_tokens_per_s"] > 0:
+            row["decode_speedup_vs_ar"] = row["decode_tokens_per_s"] / by_label["ar"]["decode_tokens_per_s"]
         ref = by_label[reference]["mean_logprob"]
         if row["mean_logprob"] is not None and ref is not None:
             row["logprob_delta"] = row["mean_logprob"] - ref
