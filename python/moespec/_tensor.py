@@ -37,3 +37,18 @@ def view(t: torch.Tensor | None, name: str):
     if not t.is_cpu:
         raise ValueError(f"{name}: tensors on {t.device.type} are not supported (cpu or cuda)")
     return (t.data_ptr(), code, t.shape, t.stride(), 0, 0)
+
+
+def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``data`` (host values: a list, or a CPU tensor) as a tensor on ``device``, without a stream
+    synchronisation: a copy to a GPU from pageable memory synchronises the stream first (CUDA's
+    documented behaviour for pageable host memory, whatever the API), so on CUDA the values go
+    through pinned memory and a non-blocking copy (torch's pinned-memory cache keeps the block
+    until the copy is done). On other devices: a plain conversion."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

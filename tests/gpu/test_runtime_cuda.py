@@ -128,3 +128,47 @@ def test_graph_replay_equals_eager(folder):
     llm = LLM(graphs, draft=head, speculative_config=SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6),
               max_batch_size=2)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder):
+    """Greedy eagle3 on CUDA (graphs backend, the torch tree core, the head's torch path) synchronises
+    with the host three times a step: the finalize's tree shapes, the verify's tree tokens (the cache's
+    commit checks) and the acceptance's copy back. Host values go to the device through pinned memory
+    (moespec._tensor.to_device) and the head writes its cache without nonzero: torch's sync debug
+    mode counts every other synchronisation."""
+    import warnings
+
+    from moespec import SpeculativeConfig
+    from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.llm import _Request
+    from moespec.spec.train import new_head
+
+    target = mm.load(folder, "fp32", device="cuda")
+    target.backend_name = "graphs"
+    head = new_head(target.config, target.weights.embed, None, seed=0).to("cuda")
+    policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6))
+    requests = [_Request(i, None, list(p), SamplingParams(max_tokens=64, ignore_eos=True), set())
+                for i, p in enumerate(PROMPTS)]
+    run = policy.start(requests)
+    for r, first in zip(requests, run.first_tokens):
+        r.output.append(first)
+
+    def step():
+        for r, emitted in zip(requests, policy.step(run, requests)):
+            r.output.extend(emitted)
+
+    for _ in range(2):  # graph capture and first allocations
+        step()
+    torch.cuda.synchronize()
+    steps = 4
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    where = sorted({f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in syncs})
+    assert len(syncs) <= 3 * steps, f"{len(syncs) / steps:.1f} synchronisations a step, at {', '.join(where)}"

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from moespec._tensor import to_device
 from moespec.models.cache import KVCache, PendingTree
 from moespec.models.config import ModelConfig
 from moespec.models.moe import MOE_IMPLS
@@ -231,7 +232,7 @@ class TargetModel:
         for b, path in enumerate(paths):
             if path:
                 start = cache.lengths[b]
-                src = torch.tensor(path, device=cache.k.device) + start
+                src = to_device(path, cache.k.device) + start
                 dst = torch.arange(len(path), device=cache.k.device) + start
                 cache.k[:, b, :, dst] = cache.k[:, b, :, src]
                 cache.v[:, b, :, dst] = cache.v[:, b, :, src]

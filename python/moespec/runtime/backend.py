@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from moespec._loader import native
-from moespec._tensor import view
+from moespec._tensor import to_device, view
 from moespec.models.cache import KVCache
 from moespec.models.moe import moe_forward
 from moespec.ops import ExpertBudget, RoutingStats
@@ -141,10 +141,11 @@ class ReferenceBackend:
         visible = prefix[:, None, :] | new_vis  # [B, T, S]
         visible[:, :, 0] |= ~valid  # padded queries look at one slot (their output is discarded)
         rows, cols = valid.nonzero(as_tuple=True)
-        d = self.model.device  # built on the host, moved once (CUDA: one copy per tensor)
-        return _Batch(tokens=tokens.to(d), num=num, starts=starts, positions=(start[:, None] + depth).to(d),
-                      visible=visible.to(d), valid=valid.to(d), rows=rows.to(d), cols=cols.to(d),
-                      slots=(start[rows] + cols).to(d))
+        d = self.model.device  # built on the host, moved once (CUDA: one non-blocking copy per tensor)
+        return _Batch(tokens=to_device(tokens, d), num=num, starts=starts,
+                      positions=to_device(start[:, None] + depth, d), visible=to_device(visible, d),
+                      valid=to_device(valid, d), rows=to_device(rows, d), cols=to_device(cols, d),
+                      slots=to_device(start[rows] + cols, d))
 
     def _forward(self, cache: KVCache, batch: _Batch, budget: Optional[ExpertBudget], last_only: bool) -> ForwardOutput:
         model = self.model
@@ -182,7 +183,7 @@ class ReferenceBackend:
             if i in model.taps:
                 tapped[i] = x
         if last_only:
-            last = torch.tensor([max(n - 1, 0) for n in batch.num], device=x.device)
+            last = to_device([max(n - 1, 0) for n in batch.num], x.device)
             x = x[torch.arange(B, device=x.device), last]  # [B, H]
         logits = F.linear(norm(x, w.final_norm), w.lm_head)
         if last_only:

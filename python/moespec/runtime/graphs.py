@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from moespec._tensor import to_device
 from moespec.models.cache import KVCache
 from moespec.ops import ExpertBudget
 from moespec.runtime.state import StepGeometry, step_geometry
@@ -67,9 +68,9 @@ class StaticStep:
         S = b.visible.shape[-1]
         P, W = geo.mask.shape
         host = torch.cat([geo.tokens.long(), geo.positions.long(),
-                          torch.tensor(starts, dtype=torch.long).to(geo.tokens.device, non_blocking=True),
+                          to_device(starts, geo.tokens.device, torch.long),
                           geo.mask.long().reshape(-1)])  # (on the host, or on the GPU for the torch tree core's trees)
-        dev = host.to(b.tokens.device, non_blocking=True)
+        dev = to_device(host, b.tokens.device)
         start = dev[2 * P: 2 * P + B]
         words = dev[2 * P + B:].view(B, T, W)  # int32 words sign-extended: bits 0..31 as they were
         b.tokens.copy_(dev[:P].view(B, T))

@@ -57,7 +57,7 @@ from safetensors.torch import load_file as load_safetensors
 from torch import nn
 
 from moespec._loader import native
-from moespec._tensor import view
+from moespec._tensor import to_device, view
 from moespec.models.config import ModelConfig
 from moespec.models.runtime import TargetModel, rms_norm, rotate
 from moespec.ops.linear import linear
@@ -161,11 +161,13 @@ class DraftCache:
 
     ``lengths[b]`` entries of request b are the accepted prefix (EAGLE's ``stable_kv``): slots
     ``[0, lengths[b])``. Slots from ``lengths[b]`` on are scratch for tree expansion; the next
-    catch-up overwrites them.
+    catch-up overwrites them. One more slot, ``max_len``, takes the writes of padding entries (so
+    that a forward writes every entry, with no host synchronisation to find the real ones); it is
+    never attended.
     """
 
-    k: torch.Tensor  # [B, Hkv, S_max, D]
-    v: torch.Tensor  # [B, Hkv, S_max, D]
+    k: torch.Tensor  # [B, Hkv, S_max + 1, D] (slot S_max: the discard slot)
+    v: torch.Tensor  # [B, Hkv, S_max + 1, D]
     lengths: list[int]  # [B]
 
     @property
@@ -174,7 +176,7 @@ class DraftCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[2] - 1
 
     def reset(self, rows: Optional[Sequence[int]] = None) -> None:
         """Forgets the entries of the given requests (all by default); the memory is reused."""
@@ -214,7 +216,8 @@ class DraftCache:
         visible &= valid[:, :, None]
         visible[:, :, 0] |= ~valid
         device = self.k.device
-        return StepInputs(positions=positions.to(device), slots=slots.to(device), visible=visible.to(device))
+        return StepInputs(positions=to_device(positions, device), slots=to_device(slots, device),
+                          visible=to_device(visible, device))
 
 
 @dataclass
@@ -287,11 +290,12 @@ class Eagle3Head(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> DraftCache:
         """A draft KV cache for ``batch`` requests of up to ``max_len`` entries (accepted prefix and the
-        expansion scratch): k and v are [batch, Hkv, max_len, D] in the head's dtype."""
+        expansion scratch): k and v are [batch, Hkv, max_len + 1, D] in the head's dtype (the last slot
+        takes padding's writes, see :class:`DraftCache`)."""
         if batch < 1 or max_len < 1:
             raise ValueError(f"new_cache: batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
         c = self.config
-        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        shape = (batch, c.num_kv_heads, max_len + 1, c.head_dim)
         device = self.fc.weight.device
         return DraftCache(torch.zeros(shape, dtype=self.dtype, device=device),
                           torch.zeros(shape, dtype=self.dtype, device=device), [0] * batch)
@@ -325,7 +329,9 @@ class Eagle3Head(nn.Module):
         positions : long [B, T]
             Rope positions.
         slots : long [B, T]
-            Cache slot of each entry, < S_max; -1 marks padding (nothing written).
+            Cache slot of each entry, < S_max; -1 marks padding (nothing written). Checked on the CPU
+            (ValueError); on a GPU a slot >= S_max is not checked (that would synchronise the
+            stream) and its entry is not written.
         visible : bool [B, T, S], S <= S_max
             Which cache slots each entry attends. A row with no visible slot sees slot 0 (padding).
 
@@ -346,7 +352,7 @@ class Eagle3Head(nn.Module):
         if visible.dtype != torch.bool or tuple(visible.shape[:2]) != (B, T) or S > cache.max_len:
             raise ValueError(f"forward: visible must be bool [B={B}, T={T}, S <= {cache.max_len}], got "
                              f"{visible.dtype} {tuple(visible.shape)}")
-        if int(slots.max()) >= cache.max_len:
+        if slots.device.type == "cpu" and int(slots.max()) >= cache.max_len:  # (a GPU: unchecked, see below)
             raise ValueError(f"forward: slot {int(slots.max())} is outside the cache (max_len={cache.max_len})")
         h = self._features(hidden, allow_own=True)
         if self.native_step and cache.k.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
@@ -355,9 +361,12 @@ class Eagle3Head(nn.Module):
                 return out
         residual, x = self._inputs(tokens, h)
         q, k, v = self._qkv(x, positions)  # [B, Hq, T, D], [B, Hkv, T, D] x2
-        rows, cols = (slots >= 0).nonzero(as_tuple=True)
-        cache.k[rows, :, slots[rows, cols]] = k[rows, :, cols]
-        cache.v[rows, :, slots[rows, cols]] = v[rows, :, cols]
+        # every entry writes, with no host synchronisation: padding (slot -1), and on a GPU slots past the
+        # cache (not checked there: a check would synchronise), go to the discard slot max_len
+        write = torch.where((slots >= 0) & (slots < cache.max_len), slots, cache.max_len)  # [B, T]
+        request = torch.arange(B, device=slots.device)[:, None].expand(B, T)
+        cache.k[request, :, write] = k.transpose(1, 2)  # [B, T, Hkv, D]
+        cache.v[request, :, write] = v.transpose(1, 2)
         mask = visible.clone()
         mask[:, :, 0] |= ~visible.any(dim=-1)
         o = F.scaled_dot_product_attention(q, cache.k[:, :, :S], cache.v[:, :, :S], attn_mask=mask[:, None],

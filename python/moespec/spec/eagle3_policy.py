@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from moespec._tensor import to_device
 from moespec.models import TargetModel
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
 from moespec.spec.policies import Run, _cache_len
@@ -101,14 +102,14 @@ class Eagle3Policy:
         num = [len(t) for t in next_tokens]
         T = max(num)
         dev = self.target.device
-        tokens = torch.tensor([t + [0] * (T - len(t)) for t in next_tokens], device=dev)  # [B, T]
+        tokens = to_device([t + [0] * (T - len(t)) for t in next_tokens], dev)  # [B, T]
         step = dc.append_inputs(num)
         out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible)
         dc.advance(num)
-        last = torch.tensor([max(n - 1, 0) for n in num], device=dev)
+        last = to_device([max(n - 1, 0) for n in num], dev)
         rows = torch.arange(len(num), device=dev)
         logits, hidden = out.logits[rows, last], out.hidden[rows, last]  # [B, Vd], [B, H]
-        keep = torch.tensor([n > 0 for n in num], device=dev)[:, None]
+        keep = to_device([n > 0 for n in num], dev)[:, None]
         if "draft_logits" in run.extra:  # requests without new entries keep their previous output
             logits = torch.where(keep, logits, run.extra["draft_logits"])
             hidden = torch.where(keep, hidden, run.extra["draft_hidden"])
@@ -145,15 +146,17 @@ class Eagle3Policy:
 
     @staticmethod
     def _path_features(taps, accepted) -> tuple[torch.Tensor, ...]:
-        """The target tap features [B, T, Ht] of each request's accepted path (padded)."""
+        """The target tap features [B, T, Ht] of each request's accepted path (padded with zeros): one
+        gather per tap, its index copied to the device once (no synchronisation)."""
         T = max(len(a.path) if a else 0 for a in accepted)
+        B, M1 = taps[0].shape[0], taps[0].shape[1]
+        # padding reads row M1 of a zero row appended to each request's taps
+        index = to_device([(a.path if a else []) + [M1] * (T - (len(a.path) if a else 0)) for a in accepted],
+                          taps[0].device, torch.long)  # [B, T]
         out = []
         for h in taps:  # [B, M + 1, Ht]
-            f = h.new_zeros(h.shape[0], T, h.shape[-1])
-            for b, a in enumerate(accepted):
-                if a:
-                    f[b, : len(a.path)] = h[b, a.path]
-            out.append(f)
+            padded = torch.cat([h, h.new_zeros(B, 1, h.shape[-1])], dim=1)  # [B, M + 2, Ht]
+            out.append(padded.gather(1, index[:, :, None].expand(B, T, h.shape[-1])))
         return tuple(out)
 
     def _draft(self, run: Run, roots: list[int], active: Optional[list[bool]] = None):
@@ -168,7 +171,7 @@ class Eagle3Policy:
         top = torch.log_softmax(run.extra["draft_logits"], dim=-1).topk(K, dim=-1)  # [B, K]
         frontier = builder.expand_root(roots, top.indices, top.values)
         level_hidden = []  # the frontier states that propose each next level (kept for a cost-aware choice)
-        n = torch.tensor(dc.lengths, device=dev)  # [B] accepted draft entries
+        n = to_device(dc.lengths, dev)  # [B] accepted draft entries
         H = run.extra["draft_hidden"].shape[-1]
         hidden = run.extra["draft_hidden"][:, None, :].expand(B, K, H)  # the frontier's parents' outputs
         S = int(n.max()) + (c.depth - 1) * K
