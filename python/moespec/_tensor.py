@@ -41,10 +41,10 @@ def view(t: torch.Tensor | None, name: str):
 
 def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``data`` (host values: a list, or a CPU tensor) as a tensor on ``device``, without a stream
-    synchronisation: a copy to a GPU from pageable memory synchronises the stream first (CUDA's
-    documented behaviour for pageable host memory, whatever the API), so on CUDA the values go
-    through pinned memory and a non-blocking copy (torch's pinned-memory cache keeps the block
-    until the copy is done). On other devices: a plain conversion."""
+    synchronisation: a blocking copy to a GPU (``torch.tensor(..., device=...)``, ``.to(device)``)
+    waits for the stream to drain, so on CUDA the values go through pinned memory and a
+    non-blocking copy (a truly asynchronous DMA; torch's pinned-memory cache keeps the block until
+    the copy is done). On other devices: a plain conversion."""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
