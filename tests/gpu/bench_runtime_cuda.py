@@ -6,7 +6,8 @@ calls) against the unique experts a layer actually read, and against the rooflin
 unique-expert bytes) / the device copy bandwidth of the same run. Also the routing + budget op's
 share of a layer at T = 16, and a draft round's tree work (expand_root, 5 expands, finalize at top-k
 8, 32 nodes) on the torch tree core on the GPU against the native core fed from the GPU (each
-level's top-k copied to the host). Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
+level's top-k copied to the host), and a greedy eagle3 step's parts (draft, verify, acceptance, commit,
+catch-up). Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
 runtime"): within 15% of the roofline at T <= 16, with CUDA graphs (the "graphs" backend,
 moespec.runtime.graphs); each row times the eager reference backend and the graphs backend.
 """
@@ -77,6 +78,60 @@ def draft_round_ms(batch: int, core: str, K: int = 8, depth: int = 6, total: int
     return sorted(times)[len(times) // 2] * 1e3
 
 
+def eagle3_step_parts(m: TargetModel, steps: int = 12) -> dict:
+    """A greedy eagle3 step (graphs backend, depth 4 / top-k 4 / 8 nodes, one request, an untrained head)
+    on the model: its wall time as it runs, then with a synchronisation around each part (draft, verify,
+    acceptance, commit, catch-up), so that the parts' shares are visible; ms per step."""
+    from moespec import SamplingParams, SpeculativeConfig
+    from moespec.spec import eagle3_policy
+    from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.llm import _Request
+    from moespec.spec.train import new_head
+
+    m.backend_name = "graphs"
+    head = new_head(m.config, m.weights.embed, None, seed=0).to(CUDA)
+    policy = Eagle3Policy(m, head, SpeculativeConfig("eagle3", depth=4, top_k=4, total_tokens=8))
+    request = _Request(0, None, torch.randint(0, V, (CONTEXT,)).tolist(),
+                       SamplingParams(max_tokens=8 * (2 * steps + 4), ignore_eos=True), set())
+    run = policy.start([request])
+    request.output.append(run.first_tokens[0])
+
+    def step():
+        request.output.extend(policy.step(run, [request])[0])
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    parts = {"step (as it runs)": (time.perf_counter() - start) / steps * 1e3}
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+            return out
+        return wrapper
+
+    saved = (policy._draft, policy._catch_up, m.verify_trees, m.commit, eagle3_policy.accept_greedy_trees)
+    policy._draft, policy._catch_up = timed("draft", policy._draft), timed("catch-up", policy._catch_up)
+    m.verify_trees, m.commit = timed("verify", m.verify_trees), timed("commit", m.commit)
+    eagle3_policy.accept_greedy_trees = timed("accept", eagle3_policy.accept_greedy_trees)
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        policy._draft, policy._catch_up, m.verify_trees, m.commit, eagle3_policy.accept_greedy_trees = saved
+    parts.update({k: v / steps * 1e3 for k, v in spent.items()})
+    return parts
+
+
 def main() -> int:
     torch.manual_seed(0)
     src = torch.empty(2 << 30, dtype=torch.uint8, device=CUDA)
@@ -126,12 +181,15 @@ def main() -> int:
     rounds = {f"B={B} {core}": draft_round_ms(B, core) for B in (1, 8) for core in ("torch", "native")}
     print("draft round (top-k 8, depth 6, 32 nodes; wall clock, synchronised): "
           + ", ".join(f"{k} {v:.3f} ms" for k, v in rounds.items()))
+    step_parts = eagle3_step_parts(m)
+    print("eagle3 step (depth 4, top-k 4, 8 nodes, graphs): "
+          + ", ".join(f"{k} {v:.3f} ms" for k, v in step_parts.items()))
     out = os.environ.get("OUT")
     if out:
         path = pathlib.Path(out) / "runtime_bench.json"
         path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows,
-                                    "route_us": t_route * 1e6, "layer_ms": layer_ms, "draft_round_ms": rounds},
-                                   indent=1))
+                                    "route_us": t_route * 1e6, "layer_ms": layer_ms, "draft_round_ms": rounds,
+                                    "eagle3_step_ms": step_parts}, indent=1))
         print(f"wrote {path}")
     return 0
 
