@@ -130,7 +130,8 @@ def test_graph_replay_equals_eager(folder):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
 
 
-def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder):
+@pytest.mark.parametrize("draft_graphs", ["0", "1"])
+def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, draft_graphs, monkeypatch):
     """Greedy eagle3 on CUDA (graphs backend, the torch tree core, the head's torch path) synchronises
     with the host three times a step: the finalize's tree shapes, the verify's tree tokens (the cache's
     commit checks) and the acceptance's copy back. Host values go to the device through pinned memory
@@ -143,6 +144,7 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder):
     from moespec.spec.llm import _Request
     from moespec.spec.train import new_head
 
+    monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", draft_graphs)  # (1: the draft round replayed as a graph)
     target = mm.load(folder, "fp32", device="cuda")
     target.backend_name = "graphs"
     head = new_head(target.config, target.weights.embed, None, seed=0).to("cuda")
@@ -172,3 +174,46 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder):
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     where = sorted({f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in syncs})
     assert len(syncs) <= 3 * steps, f"{len(syncs) / steps:.1f} synchronisations a step, at {', '.join(where)}"
+
+
+def test_draft_graph_replay_equals_the_eager_round(folder, monkeypatch):
+    """MOESPEC_DRAFT_GRAPHS=1 on CUDA (moespec.spec.draft_graph): the draft round captured once per
+    (draft cache, builder) and replayed every step gives the trees of the same static round run
+    eagerly on the same inputs, bit for bit, and greedy eagle3 through it equals greedy ar."""
+    from moespec import SpeculativeConfig
+    from moespec.spec.train import new_head
+
+    monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", "1")
+    target = mm.load(folder, "fp32", device="cuda")
+    head = new_head(target.config, target.weights.embed, None, seed=0).to("cuda")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(target).generate(PROMPTS, params)]
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6),
+              max_batch_size=2)
+    rounds = []
+    original_run = None
+
+    def checked_run(roots, logits, hidden):
+        static = llm.policy._static
+        replayed = original_run(roots, logits, hidden)
+        if static.graph is not None:  # the same inputs again, eagerly: the same trees
+            static._round()
+            eager = [t.clone() for t in static.builder.finalize_host()]
+            for a, b in zip(replayed, eager):
+                for name in ("tokens", "parents", "depth", "mask_words", "paths", "scores"):
+                    assert torch.equal(getattr(a, name), getattr(b, name)), name
+            rounds.append(len(replayed))
+        return replayed
+
+    from moespec.spec import draft_graph
+
+    original = draft_graph.StaticDraftRound.run
+
+    def patched(self, roots, logits, hidden):
+        nonlocal original_run
+        original_run = lambda *a: original(self, *a)  # noqa: E731
+        return checked_run(roots, logits, hidden)
+
+    monkeypatch.setattr(draft_graph.StaticDraftRound, "run", patched)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    assert rounds and llm.policy._static.graph is not None

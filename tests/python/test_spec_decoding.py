@@ -89,7 +89,7 @@ def test_greedy_eagle3_on_the_gpus_tree_core_equals_greedy_ar(family, models, ar
     built = []
 
     def torch_core(*args, **kwargs):
-        built.append(TreeBuilder(*args, core="torch", **kwargs))
+        built.append(TreeBuilder(*args, **{**kwargs, "core": "torch"}))
         return built[-1]
 
     monkeypatch.setattr(policy, "TreeBuilder", torch_core)
@@ -188,12 +188,43 @@ def test_the_gpus_tree_core_drafts_the_native_cores_trees(models, ar_outputs, tr
         return [o.outputs[0].token_ids for o in outs], [o.stats.acceptance_lengths for o in outs]
 
     native = [steps(c) for c in configs]
-    monkeypatch.setattr(policy, "TreeBuilder", lambda *a, **k: TreeBuilder(*a, core="torch", **k))
+    monkeypatch.setattr(policy, "TreeBuilder", lambda *a, **k: TreeBuilder(*a, **{**k, "core": "torch"}))
     for config, (tokens, lengths) in zip(configs, native):
         got_tokens, got_lengths = steps(config)
         assert got_tokens == tokens == want["qwen3_moe"]
         if config.policy == "eagle3":
             assert got_lengths == lengths and max(n for per in lengths for n in per) >= 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_draft_rounds_equal_greedy_ar(family, models, ar_outputs, monkeypatch):
+    """Draft rounds on static shapes (moespec.spec.draft_graph: what a GPU captures as a CUDA graph; here
+    eagerly on the CPU, the head attending every cache slot), batched, in the whole loop."""
+    monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", "1")
+    prompts, want = ar_outputs
+    config = SpeculativeConfig("eagle3", depth=4, top_k=3, total_tokens=10)
+    llm = LLM(models[family], draft=_head(models[family], 1), speculative_config=config, max_batch_size=3)
+    assert _greedy(llm, prompts) == want[family]
+    assert llm.policy._static is not None and llm.policy._static.builder._core is not None
+
+
+def test_static_draft_rounds_draft_the_dynamic_rounds_trees(models, ar_outputs, trained_head, monkeypatch):
+    """With a head that is accepted, the static round gives every eagle3 step the dynamic round's tree
+    (the same acceptance lengths step by step): attending the whole cache behind the mask changes no
+    draft token."""
+    prompts, want = ar_outputs
+    model, params = models["qwen3_moe"], SamplingParams(max_tokens=24, ignore_eos=True)
+    config = SpeculativeConfig("eagle3", depth=4, top_k=3, total_tokens=10)
+
+    def steps():
+        outs = LLM(model, draft=str(trained_head), speculative_config=config, max_batch_size=3).generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outs], [o.stats.acceptance_lengths for o in outs]
+
+    tokens, lengths = steps()
+    monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", "1")
+    got_tokens, got_lengths = steps()
+    assert got_tokens == tokens == want["qwen3_moe"]
+    assert got_lengths == lengths and max(n for per in lengths for n in per) >= 3
 
 
 def test_head_agreement_is_the_drafts_inference_agreement(models, ar_outputs, trained_head):

@@ -25,6 +25,7 @@ Vd draft vocabulary.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
@@ -32,6 +33,7 @@ import torch
 
 from moespec._tensor import to_device
 from moespec.models import TargetModel
+from moespec.spec.draft_graph import StaticDraftRound
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
 from moespec.spec.policies import Run, _cache_len
 from moespec.spec.sampling import accept, accept_greedy_trees, sample
@@ -52,6 +54,10 @@ class Eagle3Policy:
                              "without MoE layers, so an expert budget has nothing to cap (use 'eagle3')")
         target.set_taps(self.head.config.aux_layers)
         self._builders: dict[int, TreeBuilder] = {}
+        # draft rounds on static shapes, captured as a CUDA graph on a GPU (moespec.spec.draft_graph);
+        # opt-in (MOESPEC_DRAFT_GRAPHS=1) until a GPU session has held replay to the eager round
+        self.draft_graphs = os.environ.get("MOESPEC_DRAFT_GRAPHS", "0") == "1"
+        self._static: Optional[StaticDraftRound] = None
         self.selector = None  # the cost-aware verify-set choice of the eco policies (None: EAGLE-2's)
         if config.spec.selector == "cost_aware":
             from moespec.cost.step_cost import shape_from_config
@@ -77,7 +83,8 @@ class Eagle3Policy:
         if batch not in self._builders:
             c = self.config
             self._builders[batch] = TreeBuilder(batch, depth=c.depth, top_k=c.top_k, total_tokens=c.total_tokens,
-                                                d2t=self.head.d2t, device=self.target.device)
+                                                d2t=self.head.d2t, device=self.target.device,
+                                                core="torch" if self.draft_graphs else None)
         return self._builders[batch]
 
     # ---- start: prefill the target, catch the draft up over the prompt -----------------------------
@@ -163,18 +170,36 @@ class Eagle3Policy:
         """Builds every request's draft tree (steps 1-2); returns one DraftTree per request (those of
         inactive requests are not verified; default: all active)."""
         active = [True] * len(roots) if active is None else active
-        c, head = self.config, self.head
+        c = self.config
         dc = run.extra["draft_cache"]
         B, K = len(roots), c.top_k
         builder = self._builder(B)  # on the target's device (a GPU's: no host synchronisation between levels)
+        if self.selector is None and self.draft_graphs:  # static shapes: a CUDA graph on a GPU
+            if self._static is None or self._static.dc is not dc or self._static.builder is not builder:
+                self._static = StaticDraftRound(self, builder, dc)
+            return self._static.run(roots, run.extra["draft_logits"], run.extra["draft_hidden"])
+        n = to_device(dc.lengths, self.target.device)  # [B] accepted draft entries
+        S = max(dc.lengths) + (c.depth - 1) * K  # (from the host's lengths: no synchronisation)
+        level_hidden = self._grow(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"], n, S,
+                                  active)
+        if self.selector is not None:
+            return self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden, active)
+        return [t.clone() for t in builder.finalize()]
+
+    def _grow(self, builder: TreeBuilder, dc, roots, draft_logits: torch.Tensor, draft_hidden: torch.Tensor,
+              n: torch.Tensor, S: int, active) -> list[torch.Tensor]:
+        """expand_root from the draft's output after each root, then up to depth - 1 expansions of the
+        K frontier nodes through the head (the eco policies stop where a level cannot pay); the head
+        attends S cache slots. Device work only, without a selector. Returns the levels' frontier
+        states (what a cost-aware choice reads)."""
+        c, head = self.config, self.head
+        B, K = len(draft_logits), c.top_k
         dev = self.target.device
-        top = torch.log_softmax(run.extra["draft_logits"], dim=-1).topk(K, dim=-1)  # [B, K]
+        top = torch.log_softmax(draft_logits, dim=-1).topk(K, dim=-1)  # [B, K]
         frontier = builder.expand_root(roots, top.indices, top.values)
         level_hidden = []  # the frontier states that propose each next level (kept for a cost-aware choice)
-        n = to_device(dc.lengths, dev)  # [B] accepted draft entries
-        H = run.extra["draft_hidden"].shape[-1]
-        hidden = run.extra["draft_hidden"][:, None, :].expand(B, K, H)  # the frontier's parents' outputs
-        S = int(n.max()) + (c.depth - 1) * K
+        H = draft_hidden.shape[-1]
+        hidden = draft_hidden[:, None, :].expand(B, K, H)  # the frontier's parents' outputs
         seen = (torch.arange(S, device=dev)[None, :] < n[:, None])[:, None, :].expand(B, K, S).clone()  # [B, K, S]
         for d in range(1, c.depth):
             if self.selector is not None and not self.selector.worth_expanding(frontier.scores, active):
@@ -182,8 +207,8 @@ class Eagle3Policy:
             level_start = time.perf_counter()
             own = n[:, None] + (d - 1) * K + torch.arange(K, device=dev)[None, :]  # [B, K] scratch slots
             seen.scatter_(2, own[:, :, None], True)  # each node sees itself
-            out = head(dc, frontier.tokens.to(dev, copy=True), hidden, positions=(n - 1 + d)[:, None].expand(B, K), slots=own,
-                       visible=seen)
+            out = head(dc, frontier.tokens.to(dev, copy=True), hidden, positions=(n - 1 + d)[:, None].expand(B, K),
+                       slots=own, visible=seen)
             top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
             frontier = builder.expand(top.indices, top.values)
             parent = frontier.parent_slot.long().to(dev)[:, :, None]  # [B, K, 1]
@@ -192,6 +217,4 @@ class Eagle3Policy:
                 self.selector.observe_level(time.perf_counter() - level_start)
             hidden = out.hidden.gather(1, parent.expand(B, K, H))
             seen = seen.gather(1, parent.expand(B, K, S))
-        if self.selector is not None:
-            return self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden, active)
-        return [t.clone() for t in builder.finalize()]
+        return level_hidden

@@ -374,19 +374,38 @@ class TreeBuilder:
         list of DraftTree, one per request
             Views of the builder's buffers, valid until the next ``finalize`` (``clone()`` to keep).
         """
+        if self._core is None:
+            descriptors, _, _ = self._current_layout()
+            self._impl.finalize(*descriptors)
+            return self._trees(torch.cat([self._t_leaves, self._t_max_depth]).tolist())
+        self.finalize_device()
+        return self.finalize_host()
+
+    def finalize_device(self) -> None:
+        """The torch core's half of :meth:`finalize` that runs on the device (no synchronisation; what a
+        CUDA graph of a draft round captures): the trees into the builder's buffers."""
+        if self._core is None:
+            raise ValueError("finalize_device: the native core finalizes on the host: call finalize")
+        self._core.finalize(self._current_layout()[1])
+
+    def finalize_host(self) -> list[DraftTree]:
+        """The other half: the round's one copy back (the paths' shapes and the problems recorded on
+        the device; a GPU's one synchronisation), then the trees as views of the buffers."""
+        if self._core is None:
+            raise ValueError("finalize_host: the native core finalizes on the host: call finalize")
+        B = self.batch
+        host = torch.cat([self._t_leaves, self._t_max_depth, self._core.problems.int()]).tolist()
+        self._core.raise_recorded(host[2 * B:])
+        return self._trees(host)
+
+    def _current_layout(self) -> tuple:
         levels = self._impl.levels
         if levels not in self._by_levels:
             self._by_levels[levels] = self._layout(levels)
-        descriptors, outputs, slices = self._by_levels[levels]
-        B = self.batch
-        if self._core is not None:
-            self._core.finalize(outputs)
-            # the round's one copy back (a GPU's one synchronisation): the paths' shapes and the problems
-            host = torch.cat([self._t_leaves, self._t_max_depth, self._core.problems.int()]).tolist()
-            self._core.raise_recorded(host[2 * B:])
-        else:
-            self._impl.finalize(*descriptors)
-            host = torch.cat([self._t_leaves, self._t_max_depth]).tolist()
+        return self._by_levels[levels]
+
+    def _trees(self, host: list[int]) -> list[DraftTree]:
+        B, slices = self.batch, self._current_layout()[2]
         trees = []
         for (tokens, parents, depth, mask, paths, strides, offset, scores, candidates), leaves, max_depth in zip(
                 slices, host[:B], host[B: 2 * B]):

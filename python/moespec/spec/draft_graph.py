@@ -1,0 +1,79 @@
+"""EAGLE-3's draft round on static shapes, replayed as a CUDA graph on a GPU.
+
+A draft round (:meth:`moespec.spec.eagle3_policy.Eagle3Policy._grow`: expand_root, depth - 1 head
+levels over the K frontier nodes, the tree core's finalize) is a fixed sequence of a few hundred
+small kernels whose shapes depend only on (B, K, depth) once the head attends every slot of its
+cache (``S = max_len``, the rest masked) instead of the accepted ones: so it can be captured once
+and replayed, one launch instead of hundreds, as the target's decode and verify steps are
+(:mod:`moespec.runtime.graphs`). Per round, the inputs that change (each request's root token and
+accepted length, the head's output after its root) are copied into static buffers, the round
+replays, and the tree builder's host half (:meth:`moespec.spec.tree.TreeBuilder.finalize_host`:
+the round's one copy back) turns the buffers into trees.
+
+The first round of a (cache, builder) pair runs eagerly (that round's result) and, on CUDA, is then
+captured; the head writes its levels' K/V into the same scratch slots each time, so capturing
+changes nothing. On the CPU nothing is captured: the same static round runs eagerly, which is what
+the CPU tests hold against the dynamic round (tests/python/test_spec_decoding.py);
+tests/gpu/test_runtime_cuda.py holds replay against it on a GPU. Opt-in
+(``MOESPEC_DRAFT_GRAPHS=1``) until a GPU session has done so. The eco policies, whose tree choice
+runs on the host, keep the dynamic round.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from moespec._tensor import to_device
+
+if TYPE_CHECKING:
+    from moespec.spec.eagle3 import DraftCache
+    from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.tree import DraftTree, TreeBuilder
+
+
+class StaticDraftRound:
+    """One (draft cache, tree builder) pair's draft round on static buffers (see the module docstring)."""
+
+    def __init__(self, policy: "Eagle3Policy", builder: "TreeBuilder", dc: "DraftCache"):
+        if builder._core is None:
+            raise ValueError("StaticDraftRound: needs the torch tree core (the native core finalizes on the host)")
+        self.policy, self.builder, self.dc = policy, builder, dc
+        B, dev, head = builder.batch, builder.device, policy.head
+        self.roots = torch.zeros(B, dtype=torch.long, device=dev)  # [B] each request's last accepted token
+        self.lengths = torch.zeros(B, dtype=torch.long, device=dev)  # [B] its accepted draft entries
+        self.logits = torch.zeros(B, head.config.draft_vocab_size, dtype=torch.float32, device=dev)  # [B, Vd]
+        self.hidden = torch.zeros(B, head.config.hidden_size, dtype=head.dtype, device=dev)  # [B, H]
+        self.graph = None
+
+    def run(self, roots: list[int], draft_logits: torch.Tensor, draft_hidden: torch.Tensor) -> list["DraftTree"]:
+        """This round's trees (clones) for ``roots`` and the head's output after them."""
+        dev = self.roots.device
+        self.roots.copy_(to_device(roots, dev, torch.long))
+        self.lengths.copy_(to_device(self.dc.lengths, dev, torch.long))
+        self.logits.copy_(draft_logits)
+        self.hidden.copy_(draft_hidden)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._round()
+            if dev.type == "cuda":
+                self._capture()
+        return [t.clone() for t in self.builder.finalize_host()]
+
+    def _round(self) -> None:
+        self.policy._grow(self.builder, self.dc, self.roots, self.logits, self.hidden, self.lengths,
+                          self.dc.max_len, None)
+        self.builder.finalize_device()
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up on a side stream, as torch's graph docs ask
+            self._round()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._round()
+        self.graph = graph
