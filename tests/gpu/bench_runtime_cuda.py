@@ -181,9 +181,13 @@ def main() -> int:
     rounds = {f"B={B} {core}": draft_round_ms(B, core) for B in (1, 8) for core in ("torch", "native")}
     print("draft round (top-k 8, depth 6, 32 nodes; wall clock, synchronised): "
           + ", ".join(f"{k} {v:.3f} ms" for k, v in rounds.items()))
-    step_parts = eagle3_step_parts(m)
-    print("eagle3 step (depth 4, top-k 4, 8 nodes, graphs): "
-          + ", ".join(f"{k} {v:.3f} ms" for k, v in step_parts.items()))
+    step_parts = {}
+    for flag, label in (("0", "eager draft"), ("1", "draft graphs")):  # (MOESPEC_DRAFT_GRAPHS: read by the policy)
+        os.environ["MOESPEC_DRAFT_GRAPHS"] = flag
+        step_parts[label] = eagle3_step_parts(m)
+        print(f"eagle3 step (depth 4, top-k 4, 8 nodes, graphs backend, {label}): "
+              + ", ".join(f"{k} {v:.3f} ms" for k, v in step_parts[label].items()))
+    os.environ.pop("MOESPEC_DRAFT_GRAPHS")
     out = os.environ.get("OUT")
     if out:
         path = pathlib.Path(out) / "runtime_bench.json"
