@@ -99,15 +99,21 @@ class StaticStep:
     def _capture(self) -> None:
         """Captures the forward (its K/V writes go to the slots already written by the eager run, with
         the same values, so capturing changes nothing)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # a warm-up on a side stream, as torch's graph docs ask
-            self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.out = self._forward()
-        self.graph = graph
+        self.graph, self.out = capture(self._forward, self.pool)
+
+
+def capture(fn, pool=None) -> tuple:
+    """A ``torch.cuda.CUDAGraph`` of ``fn()`` (after a warm-up call on a side stream, as torch's graph
+    docs ask) and what the captured call returned; ``pool``: the memory pool to share."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 class GraphBackend:

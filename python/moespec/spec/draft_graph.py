@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moespec._tensor import to_device
+from moespec.runtime.graphs import capture
 
 if TYPE_CHECKING:
     from moespec.spec.eagle3 import DraftCache
@@ -68,12 +69,4 @@ class StaticDraftRound:
         self.builder.finalize_device()
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # a warm-up on a side stream, as torch's graph docs ask
-            self._round()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._round()
-        self.graph = graph
+        self.graph, _ = capture(self._round)
