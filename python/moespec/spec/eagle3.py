@@ -317,8 +317,9 @@ class Eagle3Head(nn.Module):
         Parameters
         ----------
         cache : DraftCache
-            k/v [B, Hkv, S_max, D]; the new entries' keys and values are written at ``slots``
-            *before* attention, so an entry can see itself and any other new entry ``visible`` allows.
+            k/v [B, Hkv, S_max + 1, D] (the last slot: padding's writes); the new entries' keys and
+            values are written at ``slots`` *before* attention, so an entry can see itself and any
+            other new entry ``visible`` allows.
         tokens : long [B, T]
             The token of each entry (for catch-up entry s: x_{s+1}).
         hidden : target features or draft hidden states
