@@ -153,18 +153,13 @@ class Eagle3Policy:
 
     @staticmethod
     def _path_features(taps, accepted) -> tuple[torch.Tensor, ...]:
-        """The target tap features [B, T, Ht] of each request's accepted path (padded with zeros): one
-        gather per tap, its index copied to the device once (no synchronisation)."""
+        """The target tap features [B, T, Ht] of each request's accepted path: one gather per tap, its
+        index copied to the device once (no synchronisation). Padding repeats node 0's row: padding
+        entries write no cache slot and their outputs are not read."""
         T = max(len(a.path) if a else 0 for a in accepted)
-        B, M1 = taps[0].shape[0], taps[0].shape[1]
-        # padding reads row M1 of a zero row appended to each request's taps
-        index = to_device([(a.path if a else []) + [M1] * (T - (len(a.path) if a else 0)) for a in accepted],
+        index = to_device([(a.path if a else []) + [0] * (T - (len(a.path) if a else 0)) for a in accepted],
                           taps[0].device, torch.long)  # [B, T]
-        out = []
-        for h in taps:  # [B, M + 1, Ht]
-            padded = torch.cat([h, h.new_zeros(B, 1, h.shape[-1])], dim=1)  # [B, M + 2, Ht]
-            out.append(padded.gather(1, index[:, :, None].expand(B, T, h.shape[-1])))
-        return tuple(out)
+        return tuple(h.gather(1, index[:, :, None].expand(-1, -1, h.shape[-1])) for h in taps)
 
     def _draft(self, run: Run, roots: list[int], active: Optional[list[bool]] = None):
         """Builds every request's draft tree (steps 1-2); returns one DraftTree per request (those of
