@@ -37,9 +37,11 @@ from tqdm import tqdm
 import moespec.models as mm
 from moespec.models.config import ModelConfig
 from moespec.spec.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers, init_weights, load_eagle3
+from moespec.spec.teacher import TeacherBatch, TeacherCache, run_teacher
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_VERSION = 1
+TEACHER_CACHE = "teacher-cache"  # out_dir's folder of the target's outputs on every window (spec/teacher.py)
 STEP_WEIGHT = 0.8  # EAGLE-3: step j's loss weighs 0.8^j
 GRAD_CLIP = 0.5  # EAGLE-3's gradient clipping norm
 BETAS = (0.9, 0.95)  # EAGLE-3's AdamW betas
@@ -147,28 +149,27 @@ def draft_vocabulary(stream: torch.Tensor, vocab_size: int, draft_vocab_size: in
 # ---- one training step --------------------------------------------------------------------------
 
 
-def ttt_loss(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, target_logits: torch.Tensor,
+def ttt_loss(head: Eagle3Head, tokens: torch.Tensor, teacher: TeacherBatch,
              steps: int) -> tuple[torch.Tensor, list[float], list[float]]:
     """The weighted training-time-test loss of one batch, and per step its loss and top-1 agreement.
 
-    ``tokens`` long [B, T], ``features`` [B, T, 3 Ht], ``target_logits`` [B, T, V] (row p: the target's
-    distribution of token p + 1). Step j row t predicts x_{t+2+j}: its soft label is softmax of the
-    target logits of row t + 1 + j restricted to the draft vocabulary; rows whose target argmax is not
-    in the draft vocabulary are left out (as EAGLE-3). The loss of a step is the mean over its rows;
-    agreement counts every row (a target argmax outside the draft vocabulary is a miss).
+    ``tokens`` long [B, T]; ``teacher``: the target's outputs on them (row p: the target's distribution
+    of token p + 1). Step j row t predicts x_{t+2+j}: its soft label is softmax of the target logits
+    of row t + 1 + j restricted to the draft vocabulary; rows whose target argmax is not in the draft
+    vocabulary are left out (as EAGLE-3). The loss of a step is the mean over its rows; agreement
+    counts every row (a target argmax outside the draft vocabulary is a miss).
     """
     T = tokens.shape[1]
-    outs = head.ttt_forward(tokens, features, steps)
+    outs = head.ttt_forward(tokens, teacher.features, steps)
     total = torch.zeros((), dtype=torch.float32)
     losses, agreement = [], []
     for j, out in enumerate(outs):
         n = T - 1 - j  # rows with a target
         if n <= 0:
             break
-        teacher = target_logits[:, 1 + j:].float()  # [B, n, V]
-        want = teacher.argmax(dim=-1)  # [B, n]
+        want = teacher.argmax[:, 1 + j:]  # [B, n]
         keep = head.t2d[want]  # [B, n]
-        soft = teacher[..., head.t2d].softmax(dim=-1)  # [B, n, Vd]
+        soft = teacher.logits[:, 1 + j:].softmax(dim=-1)  # [B, n, Vd]
         logp = out.logits[:, :n].float().log_softmax(dim=-1)  # [B, n, Vd]
         ce = -(soft * logp).sum(dim=-1)  # [B, n]
         loss = (ce * keep).sum() / keep.sum().clamp(min=1)
@@ -261,6 +262,13 @@ def _batch_windows(step: int, batch_size: int, num_windows: int, seed: int) -> t
     return torch.stack(out)
 
 
+def _use_teacher_cache(choice: Optional[bool], steps: int, batch_size: int, num_windows: int) -> bool:
+    """Whether a run of ``steps`` more steps caches the teacher (``choice``; None: when it revisits windows)."""
+    if choice is not None:
+        return bool(choice)
+    return steps * batch_size > num_windows
+
+
 def _atomic_save(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -322,6 +330,7 @@ def train_draft(
     amp: bool = False,
     callback: Optional[Callable[[int, float], None]] = None,
     init: Optional[str | Path] = None,
+    teacher_cache: Optional[bool] = None,
 ) -> TrainResult:
     """Trains an EAGLE-3 head for the target at ``target_path`` and writes it to ``out_dir``.
 
@@ -344,6 +353,11 @@ def train_draft(
     init : a trained head's folder to start from (fine-tuning): its weights, draft vocabulary, feature
         layers and widths; ``draft_vocab_size`` and ``aux_layers`` are then ignored. The optimizer starts
         fresh.
+    teacher_cache : compute the target's outputs on every window once, before the steps, and read them
+        from ``out_dir/teacher-cache`` (:class:`moespec.spec.teacher.TeacherCache`; removed when the run
+        ends) instead of a prefill per step. None (default): when the run visits windows more than once
+        (steps x batch_size > the corpus's windows). The same head either way with the native target
+        (batch-invariant); ValueError when the disk lacks the room it needs.
 
     Returns a TrainResult. ValueError for bad arguments, corpus files, or a checkpoint written with
     other arguments.
@@ -404,16 +418,20 @@ def train_draft(
 
     result = TrainResult(out, start, last_loss, start)
     cache = target.new_cache(batch_size, seq_len)  # allocated once, reset every step
+    store = None
+    if _use_teacher_cache(teacher_cache, steps - start, batch_size, num_windows):
+        identity = {k: args[k] for k in ("target", "corpus", "corpus_tokens", "seq_len", "dtype", "aux_layers")}
+        identity["moe_impl"] = moe_impl
+        store = TeacherCache.open(out / TEACHER_CACHE, target=target, cache=cache, windows=windows, t2d=head.t2d,
+                                  identity=identity, progress=progress)
     head.train()
     bar = tqdm(total=steps, initial=start, desc="train-draft", disable=not progress, dynamic_ncols=True)
     for step in range(start, steps):
-        tokens = windows[_batch_windows(step, batch_size, num_windows, seed)]  # [B, T]
-        cache.reset()
-        teacher = target.prefill(cache, tokens, logits="all")
-        features = torch.cat(teacher.hidden, dim=-1).float().clone()  # [B, T, 3 Ht], out of inference mode
-        target_logits = teacher.logits.float().clone()  # [B, T, V]
+        index = _batch_windows(step, batch_size, num_windows, seed)  # [B]
+        tokens = windows[index]  # [B, T]
+        teacher = store.batch(index) if store is not None else run_teacher(target, cache, tokens, head.t2d)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            loss, _, agreement = ttt_loss(head, tokens, features, target_logits, ttt_steps)
+            loss, _, agreement = ttt_loss(head, tokens, teacher, ttt_steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
@@ -428,6 +446,8 @@ def train_draft(
         if callback is not None:
             callback(step + 1, result.loss)
     bar.close()
+    if store is not None:
+        store.remove()  # (GiBs for a real corpus; a longer rerun builds it again)
 
     provenance = {
         "target": str(target_path.resolve()), "target_architecture": c.architecture,
@@ -471,6 +491,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, metavar="HEAD",
                    help="fine-tune: start from this trained EAGLE-3 head folder (its weights, draft vocabulary and "
                         "feature layers; --draft-vocab and --aux-layers are then ignored)")
+    p.add_argument("--teacher-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="compute the target's outputs on every window once, on disk in OUT/teacher-cache "
+                        "(default: when the run visits windows more than once)")
     p.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint and start over")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -483,7 +506,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         train_draft(a.target, a.corpus, a.out, steps=a.steps, ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab,
                     lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, resume=not a.no_resume,
                     progress=not a.quiet, dtype=a.dtype, checkpoint_every=a.checkpoint_every, aux_layers=a.aux_layers,
-                    moe_impl=a.moe_impl, amp=a.amp, init=a.init)
+                    moe_impl=a.moe_impl, amp=a.amp, init=a.init,
+                    teacher_cache=a.teacher_cache)
     except ValueError as exc:
         print(f"moespec train-draft: error: {exc}", file=sys.stderr)
         return 2  # the CLI contract: a user error is exit status 2
