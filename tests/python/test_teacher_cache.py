@@ -143,3 +143,16 @@ def test_a_head_trained_from_the_cache_is_the_head_trained_without_it(setup, tmp
     a = torch.load(tmp_path / "cached" / "checkpoint.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "plain" / "checkpoint.pt", weights_only=True)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_without_room_the_default_trains_uncached_and_an_explicit_cache_is_refused(setup, monkeypatch, tmp_path,
+                                                                                   capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"input_ids": setup["windows"].reshape(-1).tolist()}) + "\n")
+    monkeypatch.setattr(teacher_mod.shutil, "disk_usage", lambda _: type("u", (), {"free": 1 << 20})())
+    args = dict(steps=4, ttt_steps=2, draft_vocab_size=48, batch_size=4, seq_len=T, progress=False, dtype="bf16")
+    result = train_draft(setup["path"], [corpus], tmp_path / "auto", **args)  # 16 windows of 12: auto is on
+    assert result.step == 4 and not (tmp_path / "auto" / TEACHER_CACHE).exists()
+    assert "running without it (a prefill per step)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="teacher cache: 12 windows"):
+        train_draft(setup["path"], [corpus], tmp_path / "asked", teacher_cache=True, **args)

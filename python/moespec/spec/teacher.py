@@ -39,6 +39,10 @@ _STORAGE = {torch.bfloat16: (np.int16, 2), torch.float32: (np.float32, 4)}  # ra
 SPARE_BYTES = 1 << 30  # free disk a cache leaves
 
 
+class NoRoomError(ValueError):
+    """The disk lacks the room a cache needs (raised before anything is written)."""
+
+
 @dataclass
 class TeacherBatch:
     """The target's outputs on a batch of windows: what the training-time-test loss reads."""
@@ -113,7 +117,7 @@ class TeacherCache:
             free = shutil.disk_usage(folder).free
             if need + SPARE_BYTES > free:
                 shutil.rmtree(folder, ignore_errors=True)
-                raise ValueError(f"teacher cache: {W} windows of {T} tokens need {need / 2**30:.1f} GiB in {folder}, "
+                raise NoRoomError(f"teacher cache: {W} windows of {T} tokens need {need / 2**30:.1f} GiB in {folder}, "
                                  f"{free / 2**30:.1f} GiB are free; pass teacher_cache=False (--no-teacher-cache)")
             for name, width in zip(FILES, (F * _STORAGE[dtype][1], Vd * _STORAGE[dtype][1], 4)):
                 with open(folder / name, "wb") as f:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 import moespec.models as mm
 from moespec.models.config import ModelConfig
 from moespec.spec.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers, init_weights, load_eagle3
-from moespec.spec.teacher import TeacherBatch, TeacherCache, run_teacher
+from moespec.spec.teacher import NoRoomError, TeacherBatch, TeacherCache, run_teacher
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_VERSION = 1
@@ -357,7 +357,8 @@ def train_draft(
         from ``out_dir/teacher-cache`` (:class:`moespec.spec.teacher.TeacherCache`; removed when the run
         ends) instead of a prefill per step. None (default): when the run visits windows more than once
         (steps x batch_size > the corpus's windows). The same head either way with the native target
-        (batch-invariant); ValueError when the disk lacks the room it needs.
+        (batch-invariant). Without the room on disk it needs: ValueError when asked for (True), the
+        per-step prefill by default (None).
 
     Returns a TrainResult. ValueError for bad arguments, corpus files, or a checkpoint written with
     other arguments.
@@ -422,8 +423,13 @@ def train_draft(
     if _use_teacher_cache(teacher_cache, steps - start, batch_size, num_windows):
         identity = {k: args[k] for k in ("target", "corpus", "corpus_tokens", "seq_len", "dtype", "aux_layers")}
         identity["moe_impl"] = moe_impl
-        store = TeacherCache.open(out / TEACHER_CACHE, target=target, cache=cache, windows=windows, t2d=head.t2d,
-                                  identity=identity, progress=progress)
+        try:
+            store = TeacherCache.open(out / TEACHER_CACHE, target=target, cache=cache, windows=windows, t2d=head.t2d,
+                                      identity=identity, progress=progress)
+        except NoRoomError as exc:
+            if teacher_cache:  # asked for: an error; by default: the per-step prefill
+                raise
+            print(f"train-draft: {exc}; running without it (a prefill per step)", file=sys.stderr)
     head.train()
     bar = tqdm(total=steps, initial=start, desc="train-draft", disable=not progress, dynamic_ncols=True)
     for step in range(start, steps):
