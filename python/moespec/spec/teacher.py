@@ -132,16 +132,13 @@ class TeacherCache:
         W = windows.shape[0]
         bar = tqdm(total=W, initial=self.manifest["done"], desc="teacher", unit="window", disable=not progress,
                    dynamic_ncols=True)
-        storage = _STORAGE[self._dtype][0]
         with torch.inference_mode():
             for w0 in range(self.manifest["done"], W, cache.batch):
                 w1 = min(w0 + cache.batch, W)
                 rows = torch.arange(w0, w0 + cache.batch).clamp(max=w1 - 1)  # the last batch repeats its last window
                 features, logits, argmax = (x[: w1 - w0] for x in run_teacher(target, cache, windows[rows], t2d, raw=True))
-                if self._dtype == torch.bfloat16:
-                    features, logits = features.view(torch.int16), logits.view(torch.int16)
-                self._features[w0:w1] = features.contiguous().numpy().astype(storage, copy=False)
-                self._logits[w0:w1] = logits.contiguous().numpy().astype(storage, copy=False)
+                self._features[w0:w1] = _raw(features)
+                self._logits[w0:w1] = _raw(logits)
                 self._argmax[w0:w1] = argmax.to(torch.int32).numpy()
                 for m in (self._features, self._logits, self._argmax):
                     m.flush()
@@ -153,15 +150,18 @@ class TeacherCache:
     def batch(self, index: torch.Tensor) -> TeacherBatch:
         """The outputs of windows ``index`` (long [B])."""
         i = index.numpy()
-        features = torch.from_numpy(np.ascontiguousarray(self._features[i]))
-        logits = torch.from_numpy(np.ascontiguousarray(self._logits[i]))
-        if self._dtype == torch.bfloat16:
-            features, logits = features.view(torch.bfloat16), logits.view(torch.bfloat16)
-        return TeacherBatch(features.float(), logits.float(), torch.from_numpy(self._argmax[i].astype(np.int64)))
+        features, logits = (torch.from_numpy(np.ascontiguousarray(m[i])).view(self._dtype).float()
+                            for m in (self._features, self._logits))  # (bf16's bits are stored as int16)
+        return TeacherBatch(features, logits, torch.from_numpy(self._argmax[i].astype(np.int64)))
 
     def remove(self) -> None:
         self._features = self._logits = self._argmax = None  # (unmaps them)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _raw(x: torch.Tensor) -> np.ndarray:
+    """The bits of ``x`` as numpy stores them (bf16 as int16)."""
+    return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).contiguous().numpy()
 
 
 def _read_manifest(folder: Path) -> Optional[dict]:
