@@ -361,9 +361,17 @@ def test_a_shipped_head_is_checked_and_copied(tmp_path):
     tensors = load_file(folder / "model.safetensors")
     assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
     assert json.loads((folder / "config.json").read_text())["moespec"] == {"steps": 5}  # no machine paths
-    save_file({"fc.weight": torch.zeros(4, 6)}, str(folder / "model.safetensors"))  # tampered
-    with pytest.raises(ValueError, match="not the shipped draft-abc"):
-        pl.shipped_head("abc", heads)
+    predictor = heads / "predictor-abc"
+    predictor.mkdir()
+    index = json.loads((heads / "index.json").read_text())
+    (heads / "index.json").write_text(json.dumps({**index, "predictor-abc": {"sha256": "0"}}))
+    newer = pl.ship_head(trained, "def", heads)  # a new recipe's head replaces the old one, not the predictor
+    assert sorted(json.loads((heads / "index.json").read_text())) == ["def", "predictor-abc"]
+    assert not folder.exists() and newer.is_dir() and predictor.is_dir()
+    assert pl.shipped_head("abc", heads) is None and pl.shipped_head("def", heads) == newer
+    save_file({"fc.weight": torch.zeros(4, 6)}, str(newer / "model.safetensors"))  # tampered
+    with pytest.raises(ValueError, match="not the shipped draft-def"):
+        pl.shipped_head("def", heads)
 
 
 def test_a_shipped_predictor_is_checked_copied_and_loads_in_fp32(tmp_path):

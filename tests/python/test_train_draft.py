@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 import moespec.models as mm
 from moespec.spec.eagle3 import load_eagle3
-from moespec.spec.train import main, new_head, read_corpus, train_draft
+from moespec.spec.train import learning_rate, main, new_head, read_corpus, train_draft
 
 from models_fixtures import V, write_checkpoint
 
@@ -164,6 +164,41 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(setup):
     assert again.already_finished and again.step == 10 and again.losses == []
     with pytest.raises(ValueError, match="seed=0.*seed=1"):
         train_draft(setup["path"], corpus, root / "resumed", steps=12, **{**ARGS, "seed": 1})
+
+
+def test_learning_rate_cools_down_linearly_over_the_last_steps():
+    assert [learning_rate(2.0, s, 6, 0) for s in range(6)] == [2.0] * 6
+    assert [learning_rate(2.0, s, 6, 3) for s in range(6)] == [2.0, 2.0, 2.0, 1.5, 1.0, 0.5]
+    assert [learning_rate(2.0, s, 3, 5) for s in range(3)] == [1.0, 2 / 3, 1 / 3]  # longer than the run
+
+
+def test_lr_decay_changes_only_the_last_steps_and_resumes_exactly(setup):
+    """The cool-down starts where it says: a run with lr_decay_steps=4 of 10 has the constant run's
+    losses up to step 6 (the first update at a lower rate shows in step 7's loss), and differs after;
+    interrupted and resumed it ends bit-identical; its checkpoint resumes only to the same steps and
+    not as a constant run."""
+    root, corpus = setup["root"], [setup["corpus_path"]]
+    constant = train_draft(setup["path"], corpus, root / "constant", steps=10, checkpoint_every=4, **ARGS)
+    decayed = train_draft(setup["path"], corpus, root / "decayed", steps=10, checkpoint_every=4, lr_decay_steps=4,
+                          **ARGS)
+    assert decayed.losses[:7] == constant.losses[:7] and decayed.losses[7] != constant.losses[7]
+
+    def interrupt(step, loss):
+        if step == 9:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(setup["path"], corpus, root / "decay-resumed", steps=10, checkpoint_every=4, lr_decay_steps=4,
+                    callback=interrupt, **ARGS)
+    resumed = train_draft(setup["path"], corpus, root / "decay-resumed", steps=10, checkpoint_every=4,
+                          lr_decay_steps=4, **ARGS)
+    assert resumed.start_step == 8 and resumed.losses == decayed.losses[8:]
+    a, b = (load_file(str(root / d / "model.safetensors")) for d in ("decayed", "decay-resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="steps=10.*steps=12"):
+        train_draft(setup["path"], corpus, root / "decayed", steps=12, lr_decay_steps=4, **ARGS)
+    with pytest.raises(ValueError, match="lr_decay_steps=4.*lr_decay_steps=None"):
+        train_draft(setup["path"], corpus, root / "decayed", steps=12, **ARGS)
 
 
 # ---- corpus -------------------------------------------------------------------------------------

@@ -55,12 +55,13 @@ class HeadSettings:
     on what: corpus text, and (``self_distill_prompts`` > 0) the MoE's own continuations of fitting
     prompts, greedy and sampled (:func:`write_self_distilled_corpus`)."""
 
-    steps: int = 320  # (80 before: acceptance 1.66 at the default tree; 320: 1.85, README "The draft head")
+    steps: int = 1800  # (80: acceptance 1.66 at the default tree; 320: 1.85; README "The draft head")
     ttt_steps: int = 4
     draft_vocab: int = 8192
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 1e-3
+    lr_decay_steps: int = 400  # the last steps of stage 1 cool the learning rate down linearly to zero
     amp: bool = True  # bf16 autocast for the head, where the CPU has bf16 dot products (else fp32)
     seed: int = 0
     chars_per_domain: int = 300_000  # plays and code each; the prompt sets' fitting split is taken whole
@@ -78,13 +79,13 @@ class HeadSettings:
 @dataclass(frozen=True)
 class TreeSettings:
     """The engine's default draft tree (SpeculativeConfig's depth, top_k, total_tokens), chosen by
-    measurement (README "Benchmark: the default engine"): on a 2-core CPU a verify pass costs more
-    than a decode step from the first extra token, so the fastest tree is the smallest measured
-    (depth 2 / 4 nodes: eagle3 0.78x ar with the 320-step head, against 0.71x at 3 / 6 and 0.66x at 4 / 8)."""
+    measurement (README "Benchmark: the default engine"): with the 1,800-step head, depth 4 / 8 nodes
+    accepts 2.67 tokens a step (depth 2 / 4 nodes: 2.19) at the same or better speed (eagle3 0.79x ar
+    against 0.73x, 3 / 6 nodes 0.76x, 4 / 10 nodes 0.69x; eagle3+budget:16 0.94x)."""
 
-    depth: int = 2
+    depth: int = 4
     top_k: int = 4
-    total_tokens: int = 4
+    total_tokens: int = 8
 
 
 @dataclass(frozen=True)
@@ -268,9 +269,16 @@ def shipped(name: str, weights: str, index_key: str, heads: Path = SHIPPED_HEADS
     return folder
 
 
+def _shipped_folder(index_key: str) -> str:
+    """The folder name of a ``heads/index.json`` entry: ``predictor-<key>`` as it is, a head's ``<key>`` as
+    ``draft-<key>``."""
+    return index_key if index_key.startswith("predictor-") else f"draft-{index_key}"
+
+
 def _ship(write, name: str, weights: str, index_key: str, command: str, heads: Path) -> Path:
     """``write(tmp)`` fills a new folder, which replaces ``heads/<name>``; its weights' sha256 goes into
-    ``heads/index.json`` under ``index_key``."""
+    ``heads/index.json`` under ``index_key``. A shipped folder of the same kind for another key (an earlier
+    recipe's, which no build would use again) is removed with its entry."""
     folder, tmp = heads / name, heads / f".{name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -279,6 +287,10 @@ def _ship(write, name: str, weights: str, index_key: str, command: str, heads: P
     os.replace(tmp, folder)
     index_path = heads / "index.json"
     index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    kind = name.split("-", 1)[0]
+    for stale in [k for k in index if k != index_key and _shipped_folder(k).split("-", 1)[0] == kind]:
+        shutil.rmtree(heads / _shipped_folder(stale), ignore_errors=True)
+        del index[stale]
     index[index_key] = {"sha256": sha256_file(folder / weights), "command": command}
     write_json_atomic(index_path, dict(sorted(index.items())))
     return folder
@@ -386,12 +398,13 @@ def _base_head(cache: Path, moe_dir: Path, recipe: Recipe, *, progress: bool, tr
     if h.self_distill_prompts:
         files.append(ensure_self_distilled(cache, moe_dir, recipe, progress=progress))
     _log(f"training the EAGLE-3 head into {out} ({h.steps} steps)")
-    _train(moe_dir, files, out, h, steps=h.steps, lr=h.lr, seed=h.seed, init=None, progress=progress)
+    _train(moe_dir, files, out, h, steps=h.steps, lr=h.lr, seed=h.seed, init=None, progress=progress,
+           lr_decay_steps=h.lr_decay_steps)
     return out
 
 
 def _train(moe_dir: Path, files: list[Path], out: Path, h: HeadSettings, *, steps: int, lr: float, seed: int,
-           init: Optional[Path], progress: bool) -> None:
+           init: Optional[Path], progress: bool, lr_decay_steps: int = 0) -> None:
     import torch
 
     from moespec.spec.train import train_draft
@@ -399,7 +412,8 @@ def _train(moe_dir: Path, files: list[Path], out: Path, h: HeadSettings, *, step
     torch.set_num_threads(THREADS)  # fixed, so the head is the same on every machine
     result = train_draft(moe_dir, files, out, steps=steps, ttt_steps=h.ttt_steps, draft_vocab_size=h.draft_vocab,
                          lr=lr, batch_size=h.batch_size, seq_len=h.seq_len, seed=seed, progress=progress,
-                         checkpoint_every=20, dtype="bf16", amp=h.amp and cpu_bf16_is_fast(), init=init)
+                         checkpoint_every=20, dtype="bf16", amp=h.amp and cpu_bf16_is_fast(), init=init,
+                         lr_decay_steps=lr_decay_steps)
     write_json_atomic(out / "train_log.json", {"losses": result.losses, "accuracy": result.accuracy})
 
 

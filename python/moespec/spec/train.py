@@ -262,6 +262,17 @@ def _batch_windows(step: int, batch_size: int, num_windows: int, seed: int) -> t
     return torch.stack(out)
 
 
+def learning_rate(lr: float, step: int, steps: int, decay_steps: int) -> float:
+    """The learning rate of 0-based ``step`` of ``steps``: ``lr``, and over the last ``decay_steps``
+    steps a linear decay, lr (steps - step) / (decay_steps + 1) (never zero: the last step moves too).
+    A constant rate then a short linear cool-down (warmup-stable-decay without the warmup: Adam's
+    bias correction already damps the first steps) ends a compute-bound run nearer a minimum than a
+    constant rate does."""
+    if decay_steps <= 0 or step < steps - decay_steps:
+        return lr
+    return lr * (steps - step) / (decay_steps + 1)
+
+
 def _use_teacher_cache(choice: Optional[bool], steps: int, batch_size: int, num_windows: int) -> bool:
     """Whether a run of ``steps`` more steps caches the teacher (``choice``; None: when it revisits windows)."""
     if choice is not None:
@@ -297,9 +308,9 @@ def _restore(path: Path, args: dict, steps: int, head: Eagle3Head,
                          f"delete it or pass resume=False (--no-resume)") from None
     if not isinstance(ckpt, dict) or ckpt.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{path}: not a version-{CHECKPOINT_VERSION} train-draft checkpoint")
-    for k in args:
-        if ckpt["args"].get(k) != args[k]:
-            raise ValueError(f"{path} was written with {k}={ckpt['args'].get(k)!r}, this run has {k}={args[k]!r}; "
+    for k in sorted(set(args) | set(ckpt["args"])):
+        if ckpt["args"].get(k) != args.get(k):
+            raise ValueError(f"{path} was written with {k}={ckpt['args'].get(k)!r}, this run has {k}={args.get(k)!r}; "
                              f"use another output folder or pass resume=False (--no-resume) to start over")
     if int(ckpt["step"]) > steps:
         raise ValueError(f"{path} is at step {ckpt['step']}, beyond steps={steps}")
@@ -331,6 +342,7 @@ def train_draft(
     callback: Optional[Callable[[int, float], None]] = None,
     init: Optional[str | Path] = None,
     teacher_cache: Optional[bool] = None,
+    lr_decay_steps: int = 0,
 ) -> TrainResult:
     """Trains an EAGLE-3 head for the target at ``target_path`` and writes it to ``out_dir``.
 
@@ -339,8 +351,11 @@ def train_draft(
     steps : total optimizer steps (a resumed run continues up to it).
     ttt_steps : unrolled draft steps per position (EAGLE-3: 7).
     draft_vocab_size : draft vocabulary, the most frequent corpus ids; >= V keeps the full vocabulary.
-    lr, batch_size, seq_len, seed : AdamW learning rate (constant, betas 0.9/0.95, clip 0.5),
-        sequences per step, tokens per sequence, seed of the initial weights and of the data order.
+    lr, batch_size, seq_len, seed : AdamW learning rate (betas 0.9/0.95, clip 0.5; constant but for
+        ``lr_decay_steps``), sequences per step, tokens per sequence, seed of the initial weights and of
+        the data order.
+    lr_decay_steps : the last this many steps take the learning rate linearly down to zero (0: constant
+        throughout; :func:`learning_rate`). A run with a decay resumes only to the same ``steps``.
     resume : continue from ``out_dir/checkpoint.pt`` when present (same arguments required).
     dtype : the target's dtype for the teacher pass; the head always trains in fp32.
     checkpoint_every : steps between checkpoints (one is also written at the end).
@@ -363,7 +378,7 @@ def train_draft(
     Returns a TrainResult. ValueError for bad arguments, corpus files, or a checkpoint written with
     other arguments.
     """
-    for name, value, low in (("steps", steps, 1), ("ttt_steps", ttt_steps, 1),
+    for name, value, low in (("steps", steps, 1), ("ttt_steps", ttt_steps, 1), ("lr_decay_steps", lr_decay_steps, 0),
                              ("draft_vocab_size", draft_vocab_size, 1), ("batch_size", batch_size, 1),
                              ("seq_len", seq_len, 2), ("checkpoint_every", checkpoint_every, 1)):
         if int(value) < low:
@@ -403,6 +418,8 @@ def train_draft(
         "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "seed": seed, "dtype": dtype, "aux_layers": list(taps),
         "amp": amp, "init": None if init is None else str(Path(init).resolve()),
     }
+    if lr_decay_steps:  # (absent when constant: checkpoints of constant runs stay resumable)
+        args.update(lr_decay_steps=lr_decay_steps, steps=steps)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / CHECKPOINT
     start, last_loss = 0, float("nan")
@@ -436,6 +453,8 @@ def train_draft(
         index = _batch_windows(step, batch_size, num_windows, seed)  # [B]
         tokens = windows[index]  # [B, T]
         teacher = store.batch(index) if store is not None else run_teacher(target, cache, tokens, head.t2d)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(lr, step, steps, lr_decay_steps)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             loss, _, agreement = ttt_loss(head, tokens, teacher, ttt_steps)
         optimizer.zero_grad(set_to_none=True)
@@ -487,6 +506,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr-decay-steps", type=int, default=0, metavar="N",
+                   help="the last N steps take the learning rate linearly down to zero (default 0: constant)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the target's dtype")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="I",
@@ -513,7 +534,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, resume=not a.no_resume,
                     progress=not a.quiet, dtype=a.dtype, checkpoint_every=a.checkpoint_every, aux_layers=a.aux_layers,
                     moe_impl=a.moe_impl, amp=a.amp, init=a.init,
-                    teacher_cache=a.teacher_cache)
+                    teacher_cache=a.teacher_cache, lr_decay_steps=a.lr_decay_steps)
     except ValueError as exc:
         print(f"moespec train-draft: error: {exc}", file=sys.stderr)
         return 2  # the CLI contract: a user error is exit status 2
