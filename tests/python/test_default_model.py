@@ -551,8 +551,9 @@ def test_ensure_head_trains_stage_one_then_stage_two_from_it(tmp_path, monkeypat
 
     calls = []
 
-    def fake_train(moe_dir, files, out, h, *, steps, lr, seed, init, progress):
-        calls.append((out.name, [f.name for f in files], steps, lr, seed, None if init is None else init.name))
+    def fake_train(moe_dir, files, out, h, *, steps, lr, seed, init, progress, lr_decay_steps=0):
+        calls.append((out.name, [f.name for f in files], steps, lr, seed, None if init is None else init.name,
+                      lr_decay_steps))
         out.mkdir(parents=True)
         for name in ("model.safetensors", "config.json", "train_log.json"):
             (out / name).write_text(json.dumps({}))
@@ -576,9 +577,9 @@ def test_ensure_head_trains_stage_one_then_stage_two_from_it(tmp_path, monkeypat
     got = pl.ensure_head(tmp_path, tmp_path / "moe", tuned, progress=False)
     assert got == tmp_path / f"draft-{tuned.draft_key()}"
     assert calls == [(f"draft-{tuned.base_head_key()}", [f"draft-corpus-{tuned.base_head_key()}.jsonl", own],
-                      base.head.steps, base.head.lr, base.head.seed, None),
+                      base.head.steps, base.head.lr, base.head.seed, None, base.head.lr_decay_steps),
                      (f"draft-{tuned.draft_key()}", [own], 7, 1e-4, base.head.seed + 1,
-                      f"draft-{tuned.base_head_key()}")]
+                      f"draft-{tuned.base_head_key()}", 0)]  # (stage 2: constant)
     calls.clear()
     assert pl.ensure_head(tmp_path, tmp_path / "moe", tuned, progress=False) == got and calls == []  # cached
     off = replace(base, head=replace(base.head, finetune_steps=0))
