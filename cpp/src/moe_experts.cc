@@ -161,9 +161,23 @@ float exp_sum(float* x, int64_t n, float shift) {
   return sum;
 }
 
+void activate(ExpertActivation activation, float limit, float alpha, const float* g, const float* u, int64_t n,
+              float* h) {
+  for (int64_t j = 0; j < n; ++j) {
+    float gv = g[j], uv = u[j];
+    if (activation == ExpertActivation::kSwiGLU) {
+      h[j] = gv / (1.0f + std::exp(-gv)) * uv;
+      continue;
+    }
+    gv = limit < gv ? limit : gv;
+    uv = uv < -limit ? -limit : (limit < uv ? limit : uv);
+    h[j] = (uv + 1.0f) * gv * (1.0f / (1.0f + std::exp(-(alpha * gv))));
+  }
+}
+
 }  // namespace
 const MoeExpertKernels kMoeExperts = {matmul_nt<float>, matmul_nt<uint16_t>, accumulate_nn<float>,
-                                      accumulate_nn<uint16_t>, exp_sum, DType::kFloat32, "scalar"};
+                                      accumulate_nn<uint16_t>, exp_sum, activate, DType::kFloat32, "scalar"};
 }  // namespace scalar
 
 std::size_t staged_row_bytes(const MoeExpertKernels& kernels, DType w_dtype, int64_t K) {
@@ -260,13 +274,6 @@ struct Problem {
   void* out;       // [T, H]
 };
 
-inline float activate(const Problem& p, float g, float u) {
-  if (p.activation == ExpertActivation::kSwiGLU) return g / (1.0f + std::exp(-g)) * u;
-  g = p.limit < g ? p.limit : g;
-  u = u < -p.limit ? -p.limit : (p.limit < u ? p.limit : u);
-  return (u + 1.0f) * g * (1.0f / (1.0f + std::exp(-(p.alpha * g))));
-}
-
 // Phase 1 task: rows [j0, j1) of expert e's gate and up for all its tokens -> hbuf.
 void gate_up_task(const Problem& p, int32_t e, int64_t j0, int64_t j1) {
   thread_local TaskScratch scratch;
@@ -287,17 +294,20 @@ void gate_up_task(const Problem& p, int32_t e, int64_t j0, int64_t j1) {
   const float* bu = bg ? bg + p.I : nullptr;
   for (int64_t n = 0; n < n_e; ++n) {
     const int64_t row = (first + n) * p.Ip;
-    for (int64_t j = 0; j < rows; ++j) {
-      float gv = g[n * rows + j], uv = u[n * rows + j];
-      if (bg) {
-        gv += bg[j0 + j];
-        uv += bu[j0 + j];
+    float* gn = g + n * rows;
+    float* un = u + n * rows;
+    if (bg) {
+      for (int64_t j = 0; j < rows; ++j) {
+        gn[j] += bg[j0 + j];
+        un[j] += bu[j0 + j];
       }
-      const float h = activate(p, gv, uv);
+    }
+    p.kernels->activate(p.activation, p.limit, p.alpha, gn, un, rows, gn);  // h into g's row
+    for (int64_t j = 0; j < rows; ++j) {
       const int64_t at = row + staged_position(*p.kernels, p.w_dtype, j0 + j);  // (a tile's blocks of 16 are its own)
-      if (p.act_bf16) static_cast<uint16_t*>(p.hbuf)[at] = detail::float_to_bf16(h);
-      else if (p.bf16) static_cast<float*>(p.hbuf)[at] = detail::bf16_to_float(detail::float_to_bf16(h));
-      else static_cast<float*>(p.hbuf)[at] = h;
+      if (p.act_bf16) static_cast<uint16_t*>(p.hbuf)[at] = detail::float_to_bf16(gn[j]);
+      else if (p.bf16) static_cast<float*>(p.hbuf)[at] = detail::bf16_to_float(detail::float_to_bf16(gn[j]));
+      else static_cast<float*>(p.hbuf)[at] = gn[j];
     }
     if (j1 == p.I) {  // the last tile zeroes the row's padding
       if (p.act_bf16) std::fill_n(static_cast<uint16_t*>(p.hbuf) + row + p.I, p.Ip - p.I, uint16_t{0});

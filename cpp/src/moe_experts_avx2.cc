@@ -244,6 +244,29 @@ float exp_sum(float* x, int64_t n, float shift) {
   return sum;
 }
 
+void activate(ExpertActivation activation, float limit, float alpha, const float* g, const float* u, int64_t n,
+              float* h) {
+  const __m256 one = _mm256_set1_ps(1.0f), hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+  const __m256 neg_alpha = _mm256_set1_ps(-alpha), zero = _mm256_setzero_ps();
+  const bool swiglu = activation == ExpertActivation::kSwiGLU;
+  auto eight = [&](__m256 gv, __m256 uv) {
+    if (swiglu) return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)))), uv);
+    gv = _mm256_min_ps(gv, hi);
+    uv = _mm256_min_ps(_mm256_max_ps(uv, lo), hi);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_mul_ps(neg_alpha, gv))));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(uv, one), gv), sig);
+  };
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(h + j, eight(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+  if (j < n) {
+    float gt[8] = {}, ut[8] = {}, ht[8];
+    std::memcpy(gt, g + j, static_cast<std::size_t>(n - j) * 4);
+    std::memcpy(ut, u + j, static_cast<std::size_t>(n - j) * 4);
+    _mm256_storeu_ps(ht, eight(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
+    std::memcpy(h + j, ht, static_cast<std::size_t>(n - j) * 4);
+  }
+}
+
 void accumulate_nn_f32(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda, int64_t n_tok,
                        float* c, int64_t ldc) {
   accumulate_nn<float>(w, ldw, S, N, a, lda, n_tok, c, ldc);
@@ -254,7 +277,7 @@ void accumulate_nn_bf16(const void* w, int64_t ldw, int64_t S, int64_t N, const 
 }
 
 const MoeExpertKernels kMoeExperts = {matmul_nt<Ops8<float>>, matmul_nt<OpsBf16Pairs>, accumulate_nn_f32,
-                                      accumulate_nn_bf16, exp_sum, DType::kFloat32, "avx2", true};
+                                      accumulate_nn_bf16, exp_sum, activate, DType::kFloat32, "avx2", true};
 
 }  // namespace avx2
 }  // namespace cpu

@@ -166,11 +166,11 @@ struct Bf16DpOps {
 
 }  // namespace
 
-// (The accumulate and exp entries are the AVX2 ones: neither is a bottleneck worth a third copy.)
+// (The accumulate, exp and activation entries are the AVX2 ones: neither is a bottleneck worth a third copy.)
 const MoeExpertKernels kMoeExperts = {matmul_nt<F32Ops>, matmul_nt<Bf16F32Ops>, avx2::accumulate_nn_f32,
-                                      avx2::accumulate_nn_bf16, avx2::exp_sum, DType::kFloat32, "avx512"};
+                                      avx2::accumulate_nn_bf16, avx2::exp_sum, avx2::activate, DType::kFloat32, "avx512"};
 const MoeExpertKernels kMoeExpertsBf16 = {matmul_nt<F32Ops>, matmul_nt<Bf16DpOps>, avx2::accumulate_nn_f32,
-                                          avx2::accumulate_nn_bf16, avx2::exp_sum, DType::kBFloat16, "avx512_bf16"};
+                                          avx2::accumulate_nn_bf16, avx2::exp_sum, avx2::activate, DType::kBFloat16, "avx512_bf16"};
 
 }  // namespace avx512
 }  // namespace cpu

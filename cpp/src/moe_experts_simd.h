@@ -1,8 +1,8 @@
 // The SIMD part of moe_experts: the matrix product both of its phases use, one table per ISA.
 //
 // moe_experts.cc defines the scalar table (the reference: one fp32 product and one fp32 sum per
-// element, k ascending) and does everything else (grouping, activation, accumulation) in shared
-// scalar code; moe_experts_avx2.cc and moe_experts_avx512.cc define the same product with
+// element, k ascending, std::exp in the activation) and does everything else (grouping,
+// accumulation) in shared scalar code; moe_experts_avx2.cc and moe_experts_avx512.cc define the same product with
 // intrinsics, compiled with their own flags. They sum in other orders and agree with the scalar
 // table within the tolerance of cpp/include/moespec/moe_experts.h (tests/cpp/test_moe_experts.cc).
 //
@@ -47,12 +47,20 @@ using MoeAccumulateNn = void (*)(const void* w, int64_t ldw, int64_t S, int64_t 
 // native step's attention batch-invariant). The SIMD paths use a polynomial exp (within 2 ulp of expf).
 using MoeExpSum = float (*)(float* x, int64_t n, float shift);
 
+// The experts' activation over n (gate, up) pairs: h[j] = act(g[j], u[j]); h may alias g or u.
+// SwiGLU: g / (1 + exp(-g)) * u. GptOss: g' = min(g, limit), u' = clamp(u, -limit, limit),
+// (u' + 1) * g' / (1 + exp(-alpha g')). Elementwise, so a token's values never depend on its
+// companions; the SIMD paths use exp_sum's polynomial exp.
+using MoeActivate = void (*)(ExpertActivation activation, float limit, float alpha, const float* g, const float* u,
+                             int64_t n, float* h);
+
 struct MoeExpertKernels {
   MoeMatmulNt matmul_f32;   // fp32 weights x fp32 activations
   MoeMatmulNt matmul_bf16;  // bf16 weights x activations of dtype bf16_act
   MoeAccumulateNn accumulate_f32;   // fp32 rows
   MoeAccumulateNn accumulate_bf16;  // bf16 rows
   MoeExpSum exp_sum;
+  MoeActivate activate;
   // Activations for matmul_bf16: kBFloat16 (products of bf16 pairs, vdpbf16ps) or kFloat32 (exact
   // fp32 copies of the bf16-rounded values).
   DType bf16_act;
@@ -98,6 +106,8 @@ void accumulate_nn_f32(const void* w, int64_t ldw, int64_t S, int64_t N, const f
 void accumulate_nn_bf16(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda,
                         int64_t n_tok, float* c, int64_t ldc);
 float exp_sum(float* x, int64_t n, float shift);
+void activate(ExpertActivation activation, float limit, float alpha, const float* g, const float* u, int64_t n,
+              float* h);
 }
 #endif
 #if defined(MOESPEC_HAVE_AVX512)
