@@ -277,6 +277,7 @@ class Eagle3Head(nn.Module):
         self._inv_freq = c.rope.inv_freq(c.head_dim)
         self._fused_weights: dict[str, tuple] = {}  # inference copies of q/k/v and gate/up, see _fused
         self._native: Optional[tuple] = None  # (weights key, DecoderModel, RopeTable), see _native_model
+        self._modules_list: Optional[list[nn.Module]] = None  # self.modules(), listed once (_native_model)
         self.native_step = True  # inference on the CPU through the native step (False: the torch ops)
 
     @property
@@ -477,7 +478,10 @@ class Eagle3Head(nn.Module):
     def _native_model(self):
         """The layer as a one-layer ``moespec._native.DecoderModel`` (cpp/include/moespec/decoder_step.h:
         a layer with an embed_norm), made again whenever a parameter changes, with its rope table."""
-        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        if self._modules_list is None:  # (the head's module tree is fixed once built; parameters may change)
+            self._modules_list = list(self.modules())
+        key = tuple((p.data_ptr(), p._version) for m in self._modules_list for p in m._parameters.values()
+                    if p is not None)
         if self._native is None or self._native[0] != key:
             c, m = self.config, self.midlayer
             a = m.self_attn
@@ -511,23 +515,34 @@ class Eagle3Head(nn.Module):
             return None
         if bool(((slots < start[:, None]) & valid).any()):
             return None
-        rows, cols = valid.nonzero(as_tuple=True)  # packed entries, request by request
-        counts = valid.sum(1)
-        offsets = torch.zeros(B + 1, dtype=torch.int32)
-        offsets[1:] = counts.cumsum(0)
-        width = max(1, int((S - start).clamp_min(0).max()))
+        if bool(valid.all()):  # every entry is real (always with one request): a reshape packs them
+            P = B * T
+            offsets = torch.arange(0, P + 1, T, dtype=torch.int32)
+
+            def packed(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(P, *t.shape[2:])
+            start_rows = start.repeat_interleave(T)
+        else:
+            rows, cols = valid.nonzero(as_tuple=True)  # packed entries, request by request
+            P = rows.shape[0]
+            offsets = torch.zeros(B + 1, dtype=torch.int32)
+            offsets[1:] = valid.sum(1).cumsum(0)
+
+            def packed(t: torch.Tensor) -> torch.Tensor:
+                return t[rows, cols]
+            start_rows = start[rows]
+        width = max(1, S - min(cache.lengths))
         W = (width + 31) // 32
         # mask bit i of an entry = it sees slot lengths[b] + i
         shifted = torch.arange(32 * W)[None, :] + start[:, None]  # [B, 32 W]
         bits = visible.gather(2, shifted.clamp_max(S - 1)[:, None, :].expand(B, T, 32 * W))
         bits &= (shifted < S)[:, None, :]
-        words = pack_mask(bits[rows, cols])  # [P, W]
+        words = pack_mask(packed(bits))  # [P, W]
         decoder, rope = self._native_model()
-        P = rows.shape[0]
-        x = h[rows, cols].to(self.dtype).contiguous()  # [P, H] in/out: the residual
-        embed = self.embed.index_select(0, tokens[rows, cols])  # [P, H]
-        cos, sin = rope.lookup(positions[rows, cols])
-        rel = (slots[rows, cols] - start[rows]).to(torch.int32)
+        x = packed(h).to(self.dtype, copy=True).contiguous()  # [P, H] in/out: the residual (a copy: never h)
+        embed = self.embed.index_select(0, packed(tokens))  # [P, H]
+        cos, sin = rope.lookup(packed(positions))
+        rel = (packed(slots) - start_rows).to(torch.int32)
         logit_rows = torch.arange(P, dtype=torch.int32)
         logits = torch.empty(P, self.config.draft_vocab_size, dtype=self.dtype)
         start32 = start.to(torch.int32)  # (locals: alive while the native call reads them)

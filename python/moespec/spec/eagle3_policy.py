@@ -35,7 +35,7 @@ from moespec._tensor import to_device
 from moespec.models import TargetModel
 from moespec.spec.draft_graph import StaticDraftRound
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
-from moespec.spec.policies import Run, _cache_len
+from moespec.spec.policies import Run, _cache_len, host_single_threaded
 from moespec.spec.sampling import accept, accept_greedy_trees, sample
 from moespec.spec.tree import TreeBuilder
 
@@ -89,6 +89,7 @@ class Eagle3Policy:
 
     # ---- start: prefill the target, catch the draft up over the prompt -----------------------------
 
+    @host_single_threaded
     def start(self, batch) -> Run:
         B, K, D = len(batch), self.config.top_k, self.config.depth
         cache = self.target.new_cache(B, _cache_len(batch, self.max_tree_nodes + 1))
@@ -124,6 +125,7 @@ class Eagle3Policy:
 
     # ---- one step ---------------------------------------------------------------------------------
 
+    @host_single_threaded
     def step(self, run: Run, batch) -> list[Optional[list[int]]]:
         clock = time.perf_counter()
         active = [not r.finished for r in batch]
