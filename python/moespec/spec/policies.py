@@ -38,7 +38,7 @@ def host_single_threaded(method):
     moespec's own pool; torch's ops there are small (argmax, tree bookkeeping, gathers), and with two
     OpenMP threads each of them leaves a worker spinning on a core the native kernels are about to
     use (measured on the 2-core VM: an eagle3+budget:16 step 12% shorter with torch on one thread,
-    interleaved runs; README, "Where the time goes")."""
+    interleaved runs; README, "Where a step's time goes")."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
