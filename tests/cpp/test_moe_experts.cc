@@ -253,6 +253,43 @@ TEST(scalar_matches_naive_double_reference) {
   }
 }
 
+TEST(every_isa_activation_matches_a_double_reference) {
+  // The activation entry alone, every length 1..40 (the SIMD tails) and values reaching past the
+  // polynomial exp's range and GPT-OSS's clamp, in place (h aliases g) as moe_experts calls it.
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> wide(-120.0f, 120.0f), near(-9.0f, 9.0f);
+  const float limit = 7.0f, alpha = 1.702f;
+  for (const cpu::MoeExpertKernels* table : runnable_tables()) {
+    for (ExpertActivation act : {ExpertActivation::kSwiGLU, ExpertActivation::kGptOss}) {
+      for (int64_t n = 1; n <= 40; ++n) {
+        std::vector<float> g(static_cast<std::size_t>(n)), u(g.size());
+        for (int64_t j = 0; j < n; ++j) {
+          g[j] = j % 5 == 0 ? wide(rng) : near(rng);
+          u[j] = j % 7 == 0 ? wide(rng) : near(rng);
+        }
+        std::vector<double> want(g.size());
+        for (int64_t j = 0; j < n; ++j) {
+          double gv = g[j], uv = u[j];
+          if (act == ExpertActivation::kSwiGLU) {
+            want[j] = gv / (1.0 + std::exp(-gv)) * uv;
+          } else {
+            gv = std::min(gv, double{limit});
+            uv = std::max(std::min(uv, double{limit}), -double{limit});
+            want[j] = (uv + 1.0) * gv / (1.0 + std::exp(-alpha * gv));
+          }
+        }
+        table->activate(act, limit, alpha, g.data(), u.data(), n, g.data());
+        for (int64_t j = 0; j < n; ++j) {
+          const double err = std::abs(g[j] - want[j]);
+          CHECK_MSG(std::isfinite(g[j]) && err <= 1e-5 * std::abs(want[j]) + 1e-30,
+                    std::string(table->name) + " n=" + std::to_string(n) + " j=" + std::to_string(j) + ": " +
+                        std::to_string(g[j]) + " vs " + std::to_string(want[j]));
+        }
+      }
+    }
+  }
+}
+
 TEST(every_isa_matches_scalar) {
   // Two shapes: a small odd one, and one with several row and column tiles and full vectors.
   // A small odd shape; one with several row and column tiles, full vectors and tails; one whose

@@ -129,6 +129,41 @@ def test_batched_requests_equal_each_alone(models, ar_outputs):
     assert _greedy(single, prompts) == want["qwen3_moe"]
 
 
+def test_steps_run_torch_on_one_thread_and_restore_the_callers(models, ar_outputs, monkeypatch):
+    """start and step run torch on one CPU thread (OpenMP workers left spinning by torch's small ops
+    took the native kernels' cores), hand the caller's count back after every call, also when a
+    step raises, and decode the same tokens."""
+    prompts, want = ar_outputs
+    model = models["qwen3_moe"]
+    seen: list[int] = []
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return fn(*args, **kwargs)
+        return call
+
+    for name in ("prefill", "decode", "verify_trees"):
+        monkeypatch.setattr(model, name, recording(getattr(model, name)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for llm in (LLM(model), LLM(model, draft=_head(model))):
+            assert _greedy(llm, prompts) == want["qwen3_moe"]
+            assert torch.get_num_threads() == 2
+        assert len(seen) > 10 and set(seen) == {1}
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("decode failed")
+
+        monkeypatch.setattr(model, "decode", boom)
+        with pytest.raises(RuntimeError, match="decode failed"):
+            LLM(model).generate(prompts[:1], SamplingParams(max_tokens=4))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def trained_head(tmp_path_factory, targets, models):
     """A head trained briefly on text the target itself generates (so it predicts the target)."""
