@@ -1,7 +1,6 @@
 // TensorView helpers and argument checks (see cpp/include/moespec/tensor_view.h).
 #include "moespec/tensor_view.h"
 
-#include <sstream>
 
 #include "moespec/error.h"
 
@@ -78,13 +77,11 @@ bool TensorView::is_contiguous() const {
 
 std::string TensorView::describe() const {
   if (!defined()) return "nothing";
-  std::ostringstream out;
-  out << dtype_name(dtype) << "[";
-  for (int d = 0; d < ndim; ++d) out << (d ? ", " : "") << shape[d];
-  out << "] (" << device_name(device);
-  if (device == Device::kCUDA) out << ":" << device_index;
-  out << ")";
-  return out.str();
+  std::string out = detail::concat(dtype_name(dtype), "[");
+  for (int d = 0; d < ndim; ++d) out += detail::concat(d ? ", " : "", shape[d]);
+  out += detail::concat("] (", device_name(device));
+  if (device == Device::kCUDA) out += detail::concat(":", device_index);
+  return out + ")";
 }
 
 void check_not_null(const TensorView& t, const char* arg) {
@@ -99,10 +96,9 @@ void check_ndim(const TensorView& t, const char* arg, int32_t ndim) {
 void check_dtype(const TensorView& t, const char* arg, std::initializer_list<DType> allowed) {
   for (DType d : allowed)
     if (t.dtype == d) return;
-  std::ostringstream names;
-  int i = 0;
-  for (DType d : allowed) names << (i++ ? " or " : "") << dtype_name(d);
-  throw_invalid(arg, "expected dtype ", names.str(), ", got ", t.describe());
+  std::string names;
+  for (DType d : allowed) names += detail::concat(names.empty() ? "" : " or ", dtype_name(d));
+  throw_invalid(arg, "expected dtype ", names, ", got ", t.describe());
 }
 
 void check_dim(const TensorView& t, const char* arg, int32_t dim, int64_t expected) {
@@ -123,13 +119,13 @@ void check_device(const TensorView& t, const char* arg, Device device, int32_t d
 }
 
 void check_view(const TensorView& t, const char* arg, std::initializer_list<DType> dtypes,
-                std::initializer_list<int64_t> dims) {
+                std::initializer_list<int64_t> dims, Device device, int32_t device_index) {
   check_not_null(t, arg);
   check_ndim(t, arg, static_cast<int32_t>(dims.size()));
   int32_t d = 0;
   for (int64_t size : dims) check_dim(t, arg, d++, size);
   check_dtype(t, arg, dtypes);
-  check_device(t, arg, Device::kCPU);
+  check_device(t, arg, device, device_index);
 }
 
 }  // namespace moespec

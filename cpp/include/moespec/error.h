@@ -5,9 +5,11 @@
 // which argument, what was expected and what was given. Nothing in the core aborts the process.
 #pragma once
 
+#include <cstdio>
 #include <exception>
-#include <sstream>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace moespec {
@@ -36,11 +38,36 @@ class Error : public std::exception {
 };
 
 namespace detail {
+// Messages are built without iostreams: no locale is touched on an error path. (A toolchain that
+// links libstdc++ statically into the Python module gives it a second, uninitialised copy of the
+// locale machinery, and the first ostream insertion crashed the process on a GPU machine.) The
+// text is what an ostream would print: integers in decimal, floating point as %g, bools as 1 / 0,
+// pointers as %p.
+inline void append(std::string& out, std::string_view v) { out.append(v.data(), v.size()); }
+inline void append(std::string& out, const char* v) { out.append(v ? v : "(null)"); }
+inline void append(std::string& out, char v) { out.push_back(v); }
+inline void append(std::string& out, bool v) { out.push_back(v ? '1' : '0'); }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& out, T v) {
+  out.append(std::to_string(v));
+}
+template <typename T, std::enable_if_t<std::is_floating_point_v<T>, int> = 0>
+void append(std::string& out, T v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+  out.append(buf);
+}
+inline void append(std::string& out, const void* v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", v);
+  out.append(buf);
+}
+
 template <typename... Parts>
 std::string concat(Parts&&... parts) {
-  std::ostringstream out;
-  (out << ... << parts);
-  return out.str();
+  std::string out;
+  (append(out, std::forward<Parts>(parts)), ...);
+  return out;
 }
 }  // namespace detail
 

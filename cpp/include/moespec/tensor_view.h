@@ -67,8 +67,9 @@ void check_dim(const TensorView& t, const char* arg, int32_t dim, int64_t expect
 void check_contiguous(const TensorView& t, const char* arg);
 void check_device(const TensorView& t, const char* arg, Device device, int32_t device_index = -1);
 void check_not_null(const TensorView& t, const char* arg);
-// All of the above for a CPU input: defined, `dims.size()` dimensions of these sizes, one of `dtypes`.
+// All of the above for one input: defined, `dims.size()` dimensions of these sizes, one of `dtypes`,
+// on `device` (device_index -1: any index of it). Contiguity is checked apart (check_contiguous).
 void check_view(const TensorView& t, const char* arg, std::initializer_list<DType> dtypes,
-                std::initializer_list<int64_t> dims);
+                std::initializer_list<int64_t> dims, Device device = Device::kCPU, int32_t device_index = -1);
 
 }  // namespace moespec
