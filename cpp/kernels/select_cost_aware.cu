@@ -194,9 +194,8 @@ __global__ void tree_kernel(const int32_t* __restrict__ selected, const int32_t*
 
 // A contiguous tensor of `dtype` and these dims on CUDA device `dev`, or an Error naming it.
 void check_cuda(const TensorView& v, const char* name, DType dtype, std::initializer_list<int64_t> dims, int32_t dev) {
-  check_view(v, name, {dtype}, dims);
+  check_view(v, name, {dtype}, dims, Device::kCUDA, dev);
   check_contiguous(v, name);
-  check_device(v, name, Device::kCUDA, dev);
 }
 
 }  // namespace

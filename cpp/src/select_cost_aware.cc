@@ -18,10 +18,12 @@ bool repeat(const int32_t* e, int64_t k) {
   return false;
 }
 
-// Expected new experts of candidate c, weighted by expert_s: sum_l expert_s[l] sum_k p (1 - B).
-double expert_cost(const int32_t* e, const float* p, const float* buf, const float* expert_s, int64_t L, int64_t K,
-                   int64_t N) {
-  double cost = 0.0;
+// cost(c) = token_s + sum_l expert_s[l] sum_k p (1 - B), summed from token_s on, layer after layer:
+// the order of the Python reference (cost_aware.marginal_cost) and of the CUDA kernel, so that all
+// three round alike.
+double marginal_cost(double token_s, const int32_t* e, const float* p, const float* buf, const float* expert_s,
+                     int64_t L, int64_t K, int64_t N) {
+  double cost = token_s;
   for (int64_t l = 0; l < L; ++l, e += K) {
     double fresh = 0.0;
     for (int64_t k = 0; k < K; ++k)
@@ -95,8 +97,8 @@ SelectCostAwareResult select_cost_aware(const SelectCostAwareArgs& a) {
     const double rate = r.step_s / r.accepted;  // the step's time per emitted token so far
     for (int64_t c = 0; c < C; ++c) {
       if (chosen[c] || (parent[c] >= 0 && !chosen[parent[c]])) continue;
-      const double cost = a.token_s + expert_cost(pred + c * L * K, prob ? prob + c * L * K : nullptr, buf,
-                                                  expert_s, L, K, N);
+      const double cost =
+          marginal_cost(a.token_s, pred + c * L * K, prob ? prob + c * L * K : nullptr, buf, expert_s, L, K, N);
       const double accept = std::isfinite(score[c]) ? std::exp(static_cast<double>(score[c])) : 0.0;
       const double gain = rate * accept - cost;
       const bool better = best < 0 || gain > best_gain ||
