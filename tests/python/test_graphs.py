@@ -5,6 +5,8 @@ greedy AR. (On a GPU, tests/gpu/test_runtime_cuda.py holds graph replay against 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -69,3 +71,68 @@ def test_greedy_speculation_through_graphs_equals_ar(folder):
     config = SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6)
     llm = LLM(target, draft=head, speculative_config=config, max_batch_size=2)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_draft_rounds_replayed_from_a_captured_graph_equal_the_eager_rounds(folder, batch, monkeypatch):
+    """MOESPEC_DRAFT_GRAPHS=1 as on a GPU (moespec.spec.draft_graph), on the CPU: the round captured into
+    fake_graph's stand-in for a CUDA graph (ops recorded, not run, at the capture) and the tree core's
+    value checks deferred to the finalize. The first round's trees and problems are its eager run's,
+    every replayed round gives the trees of the same round run eagerly, and greedy eagle3 through it
+    equals greedy ar, after an eager-draft run on the same target (as tests/gpu/bench_runtime_cuda.py
+    runs it). (Regression: the first finalize read the ok flags of the capture, which a capture does not
+    compute: "root_tokens: expected token ids in [0, 2^31) ..." on an H200.)"""
+    from fake_graph import fake_capture
+    from moespec.spec import draft_graph, eagle3_policy
+    from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.llm import _Request
+    from moespec.spec.train import new_head
+    from moespec.spec.tree import TreeBuilder
+
+    target = load(folder, "fp32")
+    target.backend_name = "graphs"
+    head = new_head(target.config, target.weights.embed, None, seed=0)
+    head.native_step = False  # the torch ops, as on a GPU (a fake capture records no native call)
+    monkeypatch.setattr(importlib.import_module("moespec.ops.linear"), "NATIVE_MAX_ROWS", 0)  # (F.linear)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    prompts = PROMPTS[:batch]
+    want = [o.outputs[0].token_ids for o in LLM(load(folder, "fp32")).generate(prompts, params)]
+    monkeypatch.setattr(draft_graph, "capture", fake_capture)
+    monkeypatch.setattr(draft_graph.StaticDraftRound, "capture_on", ("cuda", "cpu"))
+
+    def gpu_like_builder(*args, **kwargs):  # the torch core, its value checks deferred to the finalize
+        builder = TreeBuilder(*args, **{**kwargs, "core": "torch"})
+        builder._core.check_now = False
+        return builder
+
+    monkeypatch.setattr(eagle3_policy, "TreeBuilder", gpu_like_builder)
+    replayed = []
+
+    def generate(graphs: str) -> tuple[list[list[int]], Eagle3Policy]:
+        monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", graphs)
+        policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=4, top_k=4, total_tokens=8))
+        requests = [_Request(i, None, list(p), params, set()) for i, p in enumerate(prompts)]
+        run = policy.start(requests)
+        for r, first in zip(requests, run.first_tokens):
+            r.output.append(first)
+        while min(len(r.output) for r in requests) < params.max_tokens:
+            for r, emitted in zip(requests, policy.step(run, requests)):
+                r.output.extend(emitted)
+            static = policy._static
+            if static is not None and static.graph.replays:  # the same inputs again, eagerly: the same trees
+                trees = [t.clone() for t in static.builder.finalize_host()]
+                static._round()
+                for a, b in zip(trees, static.builder.finalize_host()):
+                    for name in ("tokens", "parents", "depth", "mask_words", "paths", "scores"):
+                        assert torch.equal(getattr(a, name), getattr(b, name)), name
+                replayed.append(static.graph.replays)
+        return [r.output[: params.max_tokens] for r in requests], policy
+
+    assert generate("0")[0] == want
+    outputs, policy = generate("1")
+    assert outputs == want and replayed, "no round was replayed"
+    static = policy._static
+    logits, hidden = static.logits.clone(), static.hidden.clone()
+    with pytest.raises(ValueError, match=r"^root_tokens: expected token ids .*\(checked at finalize"):
+        static.run([-3] * batch, logits, hidden)  # a replay writes the round's flags
+    assert len(static.run([7] * batch, logits, hidden)) == batch  # and the next replay rewrites them

@@ -12,11 +12,15 @@ the round's one copy back) turns the buffers into trees.
 
 The first round of a (cache, builder) pair runs eagerly (that round's result) and, on CUDA, is then
 captured; the head writes its levels' K/V into the same scratch slots each time, so capturing
-changes nothing. On the CPU nothing is captured: the same static round runs eagerly, which is what
-the CPU tests hold against the dynamic round (tests/python/test_spec_decoding.py);
-tests/gpu/test_runtime_cuda.py holds replay against it on a GPU. Opt-in
-(``MOESPEC_DRAFT_GRAPHS=1``) until a GPU session has done so. The eco policies, whose tree choice
-runs on the host, keep the dynamic round.
+changes nothing. A capture computes nothing, so whatever the host reads after a round (the tree
+buffers, the tree core's ok flags) is allocated once and written in place: the first round's values
+are its eager run's, later ones the replay's. On the CPU nothing is captured: the same static round
+runs eagerly, which is what the CPU tests hold against the dynamic round
+(tests/python/test_spec_decoding.py); tests/python/test_graphs.py replays it from a CPU stand-in for
+a graph (tests/python/fake_graph.py), and tests/gpu/test_runtime_cuda.py holds replay against it on
+a GPU (an H200 did, 2026-12-04). The default on CUDA; ``MOESPEC_DRAFT_GRAPHS=0`` turns it off, ``=1`` runs
+the static round on the CPU too. The eco policies, whose
+tree choice runs on the host, keep the dynamic round.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
 
 class StaticDraftRound:
     """One (draft cache, tree builder) pair's draft round on static buffers (see the module docstring)."""
+
+    capture_on = ("cuda",)  # device types whose rounds are captured (the CPU tests add "cpu" with a fake graph)
 
     def __init__(self, policy: "Eagle3Policy", builder: "TreeBuilder", dc: "DraftCache"):
         if builder._core is None:
@@ -59,7 +65,7 @@ class StaticDraftRound:
             self.graph.replay()
         else:
             self._round()
-            if dev.type == "cuda":
+            if dev.type in self.capture_on:
                 self._capture()
         return [t.clone() for t in self.builder.finalize_host()]
 

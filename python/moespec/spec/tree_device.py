@@ -16,7 +16,8 @@ holds them against each other and against the plain-Python reference).
 Value checks need the values on the host. On the CPU they run at the call (a failed call changes
 nothing, as in the native core); on a GPU each call records a flag on the device and the finalize
 raises the first recorded problem, naming the argument (checking at the call would synchronise
-every level). Token ids are clamped for the gathers, so bad input never reaches a device assert.
+every level). The flags are written in place into a buffer allocated once, so that a CUDA graph of
+a round (moespec.spec.draft_graph) writes the ones the finalize reads. Token ids are clamped for the gathers, so bad input never reaches a device assert.
 
 Dimensions: B requests, K top-k, C candidates (at most K + (D - 1) K^2), M tree nodes without the
 root, N = M + 1, W = ceil(N / 32) mask words, L = levels + 1.
@@ -69,7 +70,11 @@ class TorchTreeCore:
         self._frontier = torch.zeros(B, K, dtype=torch.int64, **kw)  # [B, K] candidate indices, best first
         # node_of[b, c + 1]: the tree node of candidate c (column 0: the root's -1 -> node 0)
         self._node_of = torch.zeros(B, C + 1, dtype=torch.int64, **kw)
-        self._flags: list[tuple[int, torch.Tensor]] = []  # this round's (problem, ok flag), off the CPU
+        # off the CPU, this round's value checks: the problem each checks, and its ok flag written in place
+        # (a CUDA graph of the round writes these flags when replayed; a capture computes nothing, so
+        # flags made during one would be read unwritten at the round's finalize)
+        self._checks: list[str] = []
+        self._ok = torch.ones(3 * depth + 1, dtype=torch.bool, **kw)  # [F]: 4 at expand_root, 3 per expand
         self._by_nodes: dict[tuple[int, int], dict] = {}  # (N, L) -> what a finalize of that shape reuses
 
     # -- sizes -------------------------------------------------------------------------------------
@@ -101,7 +106,7 @@ class TorchTreeCore:
         tokens = self._ids(tokens, "tokens", (B, K))
         logprobs = self._logprobs(logprobs, (B, K))
         self._check(roots, tokens, logprobs)
-        self._flags = []
+        self._checks = []
         self._store_ids(roots, self._root, "root_tokens")
         self._store_ids(tokens, self._tokens[:, :K], "tokens", draft_ids_ok)
         self._record("logprobs", lambda: logprobs.le(LOGPROB_TOLERANCE).all())
@@ -178,16 +183,15 @@ class TorchTreeCore:
 
     @property
     def problems(self) -> torch.Tensor:
-        """bool [F] on the device: this round's ok flags (none on the CPU, which checks at the call)."""
-        if not self._flags:
-            return torch.ones(0, dtype=torch.bool, device=self.device)
-        return torch.stack([ok for _, ok in self._flags])
+        """bool [F] on the device: this round's ok flags (none on the CPU, which checks at the call); a view
+        of the flag buffer, valid until the next round."""
+        return self._ok[: len(self._checks)]
 
     def raise_recorded(self, flags: Sequence[bool]) -> None:
         """Raises the first problem (in ``_DEFERRED`` order) whose flag in ``flags`` (:attr:`problems`
         on the host, copied back by the caller with the round's other results: one synchronisation)
         is not ok."""
-        failed = {name for (name, _), ok in zip(self._flags, flags) if not ok}
+        failed = {name for name, ok in zip(self._checks, flags) if not ok}
         for name, what in _DEFERRED.items():
             if name in failed:
                 arg = "tokens" if name == "draft_ids" else name
@@ -273,12 +277,14 @@ class TorchTreeCore:
         whether the clamp changed any (and the caller's draft-id flag)."""
         torch.clamp(t, 0, _MAX_TOKEN, out=dest)
         if draft_ids_ok is not None:
-            self._flags.append(("draft_ids", draft_ids_ok))
+            self._record("draft_ids", lambda: draft_ids_ok)
         self._record(name, lambda: dest.eq(t).all())
 
     def _record(self, name: str, ok) -> None:
+        """Off the CPU: writes ``ok()`` (a bool on the device) into the round's next flag."""
         if not self.check_now:
-            self._flags.append((name, ok()))
+            self._ok[len(self._checks)].copy_(ok())
+            self._checks.append(name)
 
     def _ids(self, t, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = torch.as_tensor(t)
