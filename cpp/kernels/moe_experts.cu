@@ -10,26 +10,37 @@
 // scratch lives in the caller's workspace, moe_experts_workspace_size), so that routing + budget +
 // experts can be captured in one CUDA graph:
 //   1. group_kernel    one block: per expert the slots (t, k) that use it (id != E, weight != 0),
-//                      in slot order: counts, their exclusive scan `offsets` [E + 1], the grouped
-//                      slot list `order` [S] and each slot's position `pos` [T K] (-1: unused).
-//                      Ids outside [0, E] count in the workspace's error counter and are dropped.
-//   2. up_kernel       grid (E, I / 32): each warp owns 4 rows of gate and up of one expert; every
-//                      row is read once (16-byte loads) and dotted with the x rows of all of the
-//                      expert's slots (8 at a time; more re-read the row); h = act(g, u) rounded to
-//                      the weights' dtype (as the CPU rounds h to bf16), row `pos` of h [S, I].
-//                      Blocks of experts no slot uses return at once: those weights are never read.
-//   3. down_kernel     grid (E, H / 32): the same over down [H, I] and h: y [S, H] in fp32 (+ the
-//                      down bias for GptOss).
+//                      in slot order (one warp ranks 32 slots at a time with __match_any_sync):
+//                      counts, their exclusive scan `offsets` [E + 1], the grouped slot list
+//                      `order` [S], each slot's position `pos` [T K] (-1: unused) and the list of
+//                      used experts in id order `used` [1 + E] (used[0]: how many). Ids outside
+//                      [0, E] count in the workspace's error counter and are dropped.
+//   2. gate/up         h = act(gate x, up x) rounded to the weights' dtype (as the CPU rounds h to
+//                      bf16), row `pos` of h [S, I];
+//   3. down            y [S, H] = h down^T in fp32 (+ the down bias for GptOss);
 //   4. combine_kernel  one block per token: out[t] = sum of weights[t, k] y[pos(t, k)] over its used
 //                      slots in ascending id order (repeats in slot order), in fp32, rounded once:
 //                      no atomics, so the result is deterministic.
-// Sums within a dot product run in the warp's order, not the CPU's: results agree with the CPU op
-// within the tolerances of its SIMD paths (moe_experts.h, "Precision"), not bitwise.
+// Steps 2 and 3 have two implementations, chosen once per call at the dispatch point (`launch`):
+//   - bf16 on sm_80+ with H, I multiples of 32 and 16-byte aligned rows (every real MoE): tensor
+//     cores. A block owns 16 weight rows of one used expert (grid: row tiles x used experts; blocks
+//     past used[0] return at once, so unused experts are never read) and its 4 warps split the
+//     reduction dimension in 32-wide chunks; each thread streams 16 bytes of 2 rows per chunk and
+//     feeds them to mma.sync m16n8k16 with the expert's tokens (8 per n-tile, up to kMaxTiles
+//     tiles per pass over the weights) as the other operand, permuting k identically in both
+//     operands (a dot product does not depend on the order of its terms' positions, only on the
+//     order of its sums: fixed here). The 4 warps' partial tiles are summed in warp order through
+//     shared memory: deterministic.
+//   - otherwise (fp32, odd sizes): plain FMA kernels, grid (E, rows / 32); each warp owns 4 rows,
+//     dots them with 8 of the expert's slots per pass (16-byte loads where aligned).
+// Sums within a dot product run in the hardware's order, not the CPU's: results agree with the CPU
+// op within the tolerances of its SIMD paths (moe_experts.h, "Precision"), not bitwise.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "moespec/error.h"
 #include "moespec/moe_experts.h"
@@ -45,15 +56,16 @@ constexpr int kWarps = 8;                        // warps per block of the produ
 constexpr int kRowsPerWarp = 4;                  // weight rows a warp owns
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
 constexpr int kTok = 8;                          // slots a warp carries per pass over its rows
-constexpr int kGroupThreads = 1024;
-constexpr int kCombineThreads = 256;
+constexpr int kCombineThreads = 256;  // >= kMaxSlots
 constexpr int kMaxSlots = static_cast<int>(kMaxMoeSlots);  // K of one token (combine's sort in shared memory)
+static_assert(kCombineThreads >= kMaxSlots, "combine_kernel ranks one slot a thread");
 constexpr std::size_t kAlign = 256;
 
 std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 struct Workspace {
   int32_t* offsets;  // [E + 1]
+  int32_t* used;     // [1 + E]: how many experts have a slot, then their ids ascending
   int32_t* order;    // [T K]
   int32_t* pos;      // [T K]
   int32_t* errors;   // [1]
@@ -66,6 +78,8 @@ Workspace carve(void* base, int64_t T, int64_t K, int64_t E, int64_t I, std::siz
   Workspace w{};
   const std::size_t slots = static_cast<std::size_t>(T * K);
   w.offsets = reinterpret_cast<int32_t*>(p);
+  p += align_up(sizeof(int32_t) * static_cast<std::size_t>(E + 1));
+  w.used = reinterpret_cast<int32_t*>(p);
   p += align_up(sizeof(int32_t) * static_cast<std::size_t>(E + 1));
   w.order = reinterpret_cast<int32_t*>(p);
   p += align_up(sizeof(int32_t) * slots);
@@ -168,42 +182,73 @@ __device__ __forceinline__ void dot_rows(const W* __restrict__ w, int64_t ldw, i
 
 // ---- 1. grouping --------------------------------------------------------------------------------
 
+// Inclusive sum over the warp.
+__device__ __forceinline__ int32_t warp_scan(int32_t v, int lane) {
+#pragma unroll
+  for (int o = 1; o < kWarp; o *= 2) {
+    const int32_t n = __shfl_up_sync(kFullMask, v, o);
+    if (lane >= o) v += n;
+  }
+  return v;
+}
+
+// blockDim.x = E rounded up to whole warps (<= 1024 = kMaxMoeExperts): one thread per expert.
 __global__ void group_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, int64_t slots,
                              int32_t E, int32_t* __restrict__ offsets, int32_t* __restrict__ order,
-                             int32_t* __restrict__ pos, int32_t* __restrict__ errors) {
-  extern __shared__ int32_t counts[];  // [E + 1]
-  for (int64_t s = threadIdx.x; s < slots; s += blockDim.x) pos[s] = -1;
-  if (threadIdx.x == 0) errors[0] = 0;
+                             int32_t* __restrict__ pos, int32_t* __restrict__ used, int32_t* __restrict__ errors) {
+  __shared__ int32_t counts[kMaxMoeExperts];  // per expert: its slots so far, then its offset
+  __shared__ int32_t warp_slots[kWarp], warp_used[kWarp];
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  if (tid < E) counts[tid] = 0;
   __syncthreads();
-  for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
-    int32_t c = 0;
-    for (int64_t s = 0; s < slots; ++s) c += ids[s] == e && weights[s] != 0.0f;
-    counts[e] = c;
-  }
-  if (threadIdx.x == 0) {
+  if (warp == 0) {  // rank each slot among its expert's slots, 32 slots at a time, in slot order
     int32_t bad = 0;
-    for (int64_t s = 0; s < slots; ++s) bad += ids[s] < 0 || ids[s] > E;
-    errors[0] = bad;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // E <= kMaxMoeExperts: a sequential scan costs microseconds
-    int32_t run = 0;
-    for (int32_t e = 0; e < E; ++e) {
-      const int32_t c = counts[e];
-      counts[e] = run;
-      offsets[e] = run;
-      run += c;
-    }
-    offsets[E] = run;
-  }
-  __syncthreads();
-  for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
-    int32_t at = counts[e];
-    for (int64_t s = 0; s < slots; ++s)
-      if (ids[s] == e && weights[s] != 0.0f) {
-        order[at] = static_cast<int32_t>(s);
-        pos[s] = at++;
+    for (int64_t c = 0; c < slots; c += kWarp) {
+      const int64_t s = c + lane;
+      int32_t e = -1;  // -1: the slot is not used
+      if (s < slots) {
+        const int32_t id = ids[s];
+        if (id < 0 || id > E) ++bad;
+        else if (id < E && weights[s] != 0.0f) e = id;
       }
+      const unsigned same = __match_any_sync(kFullMask, e);
+      const int32_t rank = __popc(same & ((1u << lane) - 1u));
+      const int32_t base = e >= 0 ? counts[e] : 0;
+      __syncwarp();
+      if (e >= 0 && rank == 0) counts[e] = base + __popc(same);
+      __syncwarp();
+      if (s < slots) pos[s] = e >= 0 ? base + rank : -1;  // the rank for now, the position below
+    }
+    for (int o = kWarp / 2; o > 0; o /= 2) bad += __shfl_xor_sync(kFullMask, bad, o);
+    if (lane == 0) errors[0] = bad;
+  }
+  __syncthreads();
+  // Exclusive scans over the experts of their slot counts (-> offsets) and of "has a slot" (-> used).
+  const int32_t count = tid < E ? counts[tid] : 0, flag = count > 0;
+  const int32_t in_slots = warp_scan(count, lane), in_used = warp_scan(flag, lane);
+  if (lane == kWarp - 1) warp_slots[warp] = in_slots, warp_used[warp] = in_used;
+  __syncthreads();
+  if (warp == 0) {
+    const int nwarps = static_cast<int>(blockDim.x) / kWarp;
+    const int32_t a = lane < nwarps ? warp_slots[lane] : 0, u = lane < nwarps ? warp_used[lane] : 0;
+    const int32_t sa = warp_scan(a, lane), su = warp_scan(u, lane);
+    warp_slots[lane] = sa - a, warp_used[lane] = su - u;  // exclusive, per warp
+  }
+  __syncthreads();
+  const int32_t before = warp_slots[warp] + in_slots - count, used_before = warp_used[warp] + in_used - flag;
+  if (tid < E) {
+    offsets[tid] = before;
+    counts[tid] = before;
+    if (flag) used[1 + used_before] = tid;
+  }
+  if (tid == E - 1) offsets[E] = before + count, used[0] = used_before + flag;
+  __syncthreads();
+  for (int64_t s = tid; s < slots; s += blockDim.x) {
+    const int32_t rank = pos[s];
+    if (rank < 0) continue;
+    const int32_t at = counts[ids[s]] + rank;
+    pos[s] = at;
+    order[at] = static_cast<int32_t>(s);
   }
 }
 
@@ -213,6 +258,17 @@ struct ActParams {
   int activation;  // 0 SwiGLU, 1 GptOss
   float limit, alpha;
 };
+
+// h of one row from its gate and up sums (GptOss: + the row's biases, clamped).
+__device__ __forceinline__ float activate(float g, float u, const float* bias, int64_t I, int64_t row,
+                                          const ActParams& p) {
+  if (p.activation == 0) return g / (1.0f + expf(-g)) * u;
+  g += bias ? bias[row] : 0.0f;
+  u += bias ? bias[I + row] : 0.0f;
+  g = fminf(g, p.limit);
+  u = fminf(fmaxf(u, -p.limit), p.limit);
+  return (u + 1.0f) * g / (1.0f + expf(-p.alpha * g));
+}
 
 template <typename W, bool kVec>
 __global__ void __launch_bounds__(kWarps * kWarp)
@@ -242,19 +298,8 @@ __global__ void __launch_bounds__(kWarps * kWarp)
 #pragma unroll
       for (int j = 0; j < kTok; ++j) {
         const float gs = warp_sum(g[m][j]), us = warp_sum(u[m][j]);
-        if (lane == 0 && m < rows && j < tok) {
-          float a;
-          if (p.activation == 0) {
-            a = gs / (1.0f + expf(-gs)) * us;
-          } else {
-            float gg = gs + (bias ? bias[r0 + m] : 0.0f);
-            float uu = us + (bias ? bias[I + r0 + m] : 0.0f);
-            gg = fminf(gg, p.limit);
-            uu = fminf(fmaxf(uu, -p.limit), p.limit);
-            a = (uu + 1.0f) * gg / (1.0f + expf(-p.alpha * gg));
-          }
-          h[static_cast<int64_t>(first + j0 + j) * I + r0 + m] = from_f<W>(a);
-        }
+        if (lane == 0 && m < rows && j < tok)
+          h[static_cast<int64_t>(first + j0 + j) * I + r0 + m] = from_f<W>(activate(gs, us, bias, I, r0 + m, p));
       }
   }
 }
@@ -292,40 +337,256 @@ __global__ void __launch_bounds__(kWarps * kWarp)
   }
 }
 
+// ---- 2 and 3 on tensor cores (bf16, sm_80+) ------------------------------------------------------
+
+constexpr int kSplit = 4;     // warps of a block, splitting the reduction dimension
+constexpr int kChunk = 32;    // reduction elements a warp takes per step: 16 bytes a thread, 2 mma
+constexpr int kMaxTiles = 4;  // n-tiles (8 tokens each) per pass over the weights
+
+// 16 bytes of a weight stream, read once: not kept in L1.
+__device__ __forceinline__ uint4 load_stream(const __nv_bfloat16* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// c += A B for one m16n8k16 tile (A: 16 x 16 row-major bf16, B: 16 x 8 column-major, c: fp32).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  (void)c, (void)a0, (void)a1, (void)a2, (void)a3, (void)b0, (void)b1;  // (the host picks this path on sm_80+ only)
+#endif
+}
+
+// acc[m][nt] += W_m[16 rows] . act[tokens of n-tile nt] over this warp's chunks of the reduction
+// dimension n (chunks warp, warp + kSplit, ...). W_m: row r at w[m] + r * ldw. Thread (g, t) =
+// (lane / 4, lane % 4) loads elements [8t, 8t + 8) of a chunk for rows g and g + 8 and for token g of
+// each n-tile (act row arow[nt]); mma step s takes elements 8t + 4s + {0..3} as the fragment's
+// k = {2t, 2t + 1, 2t + 8, 2t + 9}: the same permutation of k in A and B.
+template <int kMats, int kTiles, int kUnroll>
+__device__ __forceinline__ void mma_rows(const __nv_bfloat16* const (&w)[kMats], int64_t ldw,
+                                         const __nv_bfloat16* const (&arow)[kTiles], int tiles, int64_t n,
+                                         int warp, int lane, float (&acc)[kMats][kTiles][4]) {
+  const int g = lane / 4, t = lane % 4;
+  const __nv_bfloat16* rows[kMats][2];
+#pragma unroll
+  for (int m = 0; m < kMats; ++m) rows[m][0] = w[m] + g * ldw + 8 * t, rows[m][1] = rows[m][0] + 8 * ldw;
+  constexpr int64_t kStride = static_cast<int64_t>(kSplit) * kChunk;
+  for (int64_t k0 = static_cast<int64_t>(warp) * kChunk; k0 < n; k0 += kStride * kUnroll) {
+    uint4 a[kUnroll][kMats][2] = {}, b[kUnroll][kTiles] = {};
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {  // every load of kUnroll chunks first: bytes in flight
+      const int64_t k = k0 + u * kStride;
+      if (k >= n) break;
+#pragma unroll
+      for (int m = 0; m < kMats; ++m) a[u][m][0] = load_stream(rows[m][0] + k), a[u][m][1] = load_stream(rows[m][1] + k);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = k0 + u * kStride;
+      if (k >= n) break;
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j)
+        if (j < tiles) b[u][j] = __ldg(reinterpret_cast<const uint4*>(arow[j] + 8 * t + k));
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (k0 + u * kStride >= n) break;
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        if (j >= tiles) break;
+#pragma unroll
+        for (int m = 0; m < kMats; ++m) {
+          const uint4 &lo = a[u][m][0], &hi = a[u][m][1], &x = b[u][j];
+          mma_bf16(acc[m][j], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+          mma_bf16(acc[m][j], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+        }
+      }
+    }
+  }
+}
+
+// The kSplit warps' tiles summed in warp order (deterministic) into warp 0's acc; returns true in
+// warp 0. `red`: shared memory for kSplit * kMats * kTiles * 4 * 32 floats.
+template <int kMats, int kTiles>
+__device__ __forceinline__ bool reduce_warps(float (&acc)[kMats][kTiles][4], float* red, int warp, int lane) {
+  constexpr int kPer = kMats * kTiles * 4;
+  if (warp > 0) {
+#pragma unroll
+    for (int m = 0; m < kMats; ++m)
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[((warp - 1) * kPer + (m * kTiles + j) * 4 + i) * kWarp + lane] = acc[m][j][i];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int v = 1; v < kSplit; ++v)
+#pragma unroll
+      for (int m = 0; m < kMats; ++m)
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[m][j][i] += red[((v - 1) * kPer + (m * kTiles + j) * 4 + i) * kWarp + lane];
+  }
+  __syncthreads();  // (red is reused by the next pass)
+  return warp == 0;
+}
+
+// The fragment element i of the accumulator: row (of the 16) and token column (of the 8).
+__device__ __forceinline__ int frag_row(int lane, int i) { return lane / 4 + (i >= 2 ? 8 : 0); }
+__device__ __forceinline__ int frag_col(int lane, int i) { return 2 * (lane % 4) + (i & 1); }
+
+
+// grid (I / 16, used experts bound), block kSplit warps: gate and up rows [16 blockIdx.x, +16) of
+// expert used[1 + blockIdx.y], over all of its slots.
+template <int kTiles>
+__global__ void __launch_bounds__(kSplit * kWarp)
+    up_mma_kernel(const __nv_bfloat16* __restrict__ x, int64_t ldx, int64_t K,
+                  const __nv_bfloat16* __restrict__ experts, const float* __restrict__ biases,
+                  const int32_t* __restrict__ offsets, const int32_t* __restrict__ order,
+                  const int32_t* __restrict__ used, __nv_bfloat16* __restrict__ h, int64_t H, int64_t I, ActParams p) {
+  __shared__ float red[(kSplit - 1) * 2 * kTiles * 4 * kWarp];
+  if (static_cast<int32_t>(blockIdx.y) >= used[0]) return;  // no such used expert: nothing is read
+  const int e = used[1 + blockIdx.y];
+  const int32_t first = offsets[e], count = offsets[e + 1] - first;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
+  const __nv_bfloat16* gate = experts + static_cast<int64_t>(e) * 3 * I * H + r0 * H;
+  const __nv_bfloat16* const w[2] = {gate, gate + I * H};
+  const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) : nullptr;
+  constexpr int kUnroll = kTiles <= 2 ? 4 : 2;
+  for (int32_t j0 = 0; j0 < count; j0 += kTiles * 8) {
+    const int tiles = (count - j0 + 7) / 8 < kTiles ? (count - j0 + 7) / 8 : kTiles;
+    const __nv_bfloat16* arow[kTiles];
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {  // token g of tile j (past the last: the last again, not stored)
+      const int32_t at = j0 + j * 8 + lane / 4;
+      arow[j] = x + static_cast<int64_t>(order[first + (at < count ? at : count - 1)] / K) * ldx;
+    }
+    float acc[2][kTiles][4] = {};
+    mma_rows<2, kTiles, kUnroll>(w, H, arow, tiles, H, warp, lane, acc);
+    if (!reduce_warps<2, kTiles>(acc, red, warp, lane)) continue;
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int32_t at = j0 + j * 8 + frag_col(lane, i);
+        const int64_t row = r0 + frag_row(lane, i);
+        if (at < count)
+          h[static_cast<int64_t>(first + at) * I + row] = __float2bfloat16_rn(activate(acc[0][j][i], acc[1][j][i],
+                                                                                     bias, I, row, p));
+      }
+  }
+}
+
+// grid (H / 16, used experts bound), block kSplit warps: down rows [16 blockIdx.x, +16) of expert
+// used[1 + blockIdx.y] against the h rows of its slots -> y.
+template <int kTiles>
+__global__ void __launch_bounds__(kSplit * kWarp)
+    down_mma_kernel(const __nv_bfloat16* __restrict__ experts, const float* __restrict__ biases,
+                    const int32_t* __restrict__ offsets, const int32_t* __restrict__ used,
+                    const __nv_bfloat16* __restrict__ h, float* __restrict__ y, int64_t H, int64_t I) {
+  __shared__ float red[(kSplit - 1) * kTiles * 4 * kWarp];
+  if (static_cast<int32_t>(blockIdx.y) >= used[0]) return;
+  const int e = used[1 + blockIdx.y];
+  const int32_t first = offsets[e], count = offsets[e + 1] - first;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
+  const __nv_bfloat16* const w[1] = {experts + static_cast<int64_t>(e) * 3 * I * H + 2 * I * H + r0 * I};
+  const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) + 2 * I : nullptr;
+  constexpr int kUnroll = kTiles <= 2 ? 4 : 2;
+  for (int32_t j0 = 0; j0 < count; j0 += kTiles * 8) {
+    const int tiles = (count - j0 + 7) / 8 < kTiles ? (count - j0 + 7) / 8 : kTiles;
+    const __nv_bfloat16* arow[kTiles];
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+      const int32_t at = j0 + j * 8 + lane / 4;
+      arow[j] = h + static_cast<int64_t>(first + (at < count ? at : count - 1)) * I;
+    }
+    float acc[1][kTiles][4] = {};
+    mma_rows<1, kTiles, kUnroll>(w, I, arow, tiles, I, warp, lane, acc);
+    if (!reduce_warps<1, kTiles>(acc, red, warp, lane)) continue;
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int32_t at = j0 + j * 8 + frag_col(lane, i);
+        const int64_t row = r0 + frag_row(lane, i);
+        if (at < count) y[static_cast<int64_t>(first + at) * H + row] = acc[0][j][i] + (bias ? bias[row] : 0.0f);
+      }
+  }
+}
+
 // ---- 4. combine ---------------------------------------------------------------------------------------
 
+// blockDim.x >= K (kCombineThreads >= kMaxSlots). Thread k ranks slot k among the token's used
+// slots by (id, k) in one step (no serial chain of dependent loads), then the threads sum columns.
 template <typename W>
 __global__ void combine_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights,
                                const int32_t* __restrict__ pos, const float* __restrict__ y, W* __restrict__ out,
                                int64_t K, int64_t H) {
-  __shared__ int32_t slot[kMaxSlots];  // the token's used slots, by (id, k)
+  __shared__ int32_t row[kMaxSlots];   // y row of the token's i-th used slot, by (id, k)
+  __shared__ float weight[kMaxSlots];  // its weight
+  __shared__ int32_t key[kMaxSlots];   // id of slot k, or -1 when unused
   __shared__ int32_t used;
   const int64_t t = blockIdx.x;
-  if (threadIdx.x == 0) {
-    int32_t n = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      if (pos[t * K + k] < 0) continue;
-      int32_t at = n++;  // insertion by id (stable: a repeat stays after the earlier slot)
-      while (at > 0 && ids[t * K + slot[at - 1]] > ids[t * K + k]) {
-        slot[at] = slot[at - 1];
-        --at;
-      }
-      slot[at] = static_cast<int32_t>(k);
-    }
-    used = n;
+  const int k = threadIdx.x;
+  if (k == 0) used = 0;
+  if (k < K) key[k] = pos[t * K + k] >= 0 ? ids[t * K + k] : -1;
+  __syncthreads();
+  if (k < K && key[k] >= 0) {
+    int32_t rank = 0;
+    for (int j = 0; j < K; ++j) rank += key[j] >= 0 && (key[j] < key[k] || (key[j] == key[k] && j < k));
+    row[rank] = pos[t * K + k];
+    weight[rank] = weights[t * K + k];
+    atomicAdd(&used, 1);
   }
   __syncthreads();
+  const int32_t n = used;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.0f;
-    for (int32_t i = 0; i < used; ++i) {
-      const int64_t s = t * K + slot[i];
-      acc += weights[s] * y[static_cast<int64_t>(pos[s]) * H + c];
-    }
+    for (int32_t i = 0; i < n; ++i) acc += weight[i] * y[static_cast<int64_t>(row[i]) * H + c];
     out[t * H + c] = from_f<W>(acc);
   }
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether the current device has bf16 mma.sync (sm_80+); asked once per device.
+bool device_has_bf16_mma() {
+  static int cached[64] = {};  // 0 unknown, 1 yes, 2 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+  if (cached[device] == 0) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cached[device] = major >= 8 ? 1 : 2;
+  }
+  return cached[device] == 1;
+}
+
+template <int kTiles>
+void launch_mma(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bound, const ActParams& p,
+                cudaStream_t stream) {
+  const int64_t H = a.x.shape[1], K = a.ids.shape[1], I = a.intermediate_size;
+  const auto* x = a.x.ptr<const __nv_bfloat16>();
+  const auto* experts = a.experts.ptr<const __nv_bfloat16>();
+  const float* biases = a.biases.defined() ? a.biases.ptr<const float>() : nullptr;
+  auto* h = static_cast<__nv_bfloat16*>(w.h);
+  up_mma_kernel<kTiles><<<dim3(static_cast<unsigned>(I / 16), used_bound), kSplit * kWarp, 0, stream>>>(
+      x, a.x.strides[0], K, experts, biases, w.offsets, w.order, w.used, h, H, I, p);
+  down_mma_kernel<kTiles><<<dim3(static_cast<unsigned>(H / 16), used_bound), kSplit * kWarp, 0, stream>>>(
+      experts, biases, w.offsets, w.used, h, w.y, H, I);
+}
 
 template <typename W>
 void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
@@ -341,19 +602,32 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
   constexpr int kN = Pack<W>::kN;
   const bool vec = H % kN == 0 && I % kN == 0 && (T <= 1 || ldx % kN == 0) && aligned16(x) && aligned16(experts) &&
                    aligned16(h);
-  group_kernel<<<1, kGroupThreads, sizeof(int32_t) * static_cast<std::size_t>(E + 1), stream>>>(
-      ids, weights, T * K, static_cast<int32_t>(E), w.offsets, w.order, w.pos, w.errors);
+  const unsigned group_threads = static_cast<unsigned>((E + kWarp - 1) / kWarp * kWarp);
+  group_kernel<<<1, group_threads, 0, stream>>>(ids, weights, T * K, static_cast<int32_t>(E), w.offsets, w.order,
+                                                w.pos, w.used, w.errors);
   const ActParams p{static_cast<int>(a.activation), a.limit, a.alpha};
-  const dim3 up_grid(static_cast<unsigned>(E), static_cast<unsigned>((I + kRowsPerBlock - 1) / kRowsPerBlock));
-  const dim3 down_grid(static_cast<unsigned>(E), static_cast<unsigned>((H + kRowsPerBlock - 1) / kRowsPerBlock));
-  if (vec) {
-    up_kernel<W, true><<<up_grid, kWarps * kWarp, 0, stream>>>(x, ldx, K, experts, biases, w.offsets, w.order, h, H,
-                                                                 I, p);
-    down_kernel<W, true><<<down_grid, kWarps * kWarp, 0, stream>>>(experts, biases, w.offsets, h, w.y, H, I);
+  const bool mma = std::is_same<W, __nv_bfloat16>::value && vec && H % kChunk == 0 && I % kChunk == 0 &&
+                   (T <= 1 || ldx % 8 == 0) && device_has_bf16_mma();
+  if (mma) {  // tokens per expert are at most T (distinct ids per token): n-tiles for that, more loop
+    const unsigned used_bound = static_cast<unsigned>(E < T * K ? E : T * K);
+    if (T <= 8)
+      launch_mma<1>(a, w, used_bound, p, stream);
+    else if (T <= 16)
+      launch_mma<2>(a, w, used_bound, p, stream);
+    else
+      launch_mma<kMaxTiles>(a, w, used_bound, p, stream);
   } else {
-    up_kernel<W, false><<<up_grid, kWarps * kWarp, 0, stream>>>(x, ldx, K, experts, biases, w.offsets, w.order, h,
-                                                                  H, I, p);
-    down_kernel<W, false><<<down_grid, kWarps * kWarp, 0, stream>>>(experts, biases, w.offsets, h, w.y, H, I);
+    const dim3 up_grid(static_cast<unsigned>(E), static_cast<unsigned>((I + kRowsPerBlock - 1) / kRowsPerBlock));
+    const dim3 down_grid(static_cast<unsigned>(E), static_cast<unsigned>((H + kRowsPerBlock - 1) / kRowsPerBlock));
+    if (vec) {
+      up_kernel<W, true><<<up_grid, kWarps * kWarp, 0, stream>>>(x, ldx, K, experts, biases, w.offsets, w.order, h,
+                                                                   H, I, p);
+      down_kernel<W, true><<<down_grid, kWarps * kWarp, 0, stream>>>(experts, biases, w.offsets, h, w.y, H, I);
+    } else {
+      up_kernel<W, false><<<up_grid, kWarps * kWarp, 0, stream>>>(x, ldx, K, experts, biases, w.offsets, w.order,
+                                                                    h, H, I, p);
+      down_kernel<W, false><<<down_grid, kWarps * kWarp, 0, stream>>>(experts, biases, w.offsets, h, w.y, H, I);
+    }
   }
   combine_kernel<W><<<static_cast<unsigned>(T), kCombineThreads, 0, stream>>>(ids, weights, w.pos, w.y,
                                                                               a.out.ptr<W>(), K, H);
@@ -364,7 +638,7 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
 std::size_t moe_experts_workspace_size(int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, DType dtype) {
   if (T < 0 || K < 0 || E < 1 || H < 1 || I < 1) return 0;
   const std::size_t slots = static_cast<std::size_t>(T * K);
-  return align_up(sizeof(int32_t) * static_cast<std::size_t>(E + 1)) + 2 * align_up(sizeof(int32_t) * slots) +
+  return 2 * align_up(sizeof(int32_t) * static_cast<std::size_t>(E + 1)) + 2 * align_up(sizeof(int32_t) * slots) +
          align_up(sizeof(int32_t)) + align_up(dtype_size(dtype) * slots * static_cast<std::size_t>(I)) +
          align_up(sizeof(float) * slots * static_cast<std::size_t>(H));
 }

@@ -64,6 +64,17 @@ def test_swiglu_matches_the_cpu_op(T, H, I, E, K, dtype):
     assert_close(got, ref, dtype, "against the plain-torch reference")
 
 
+@pytest.mark.parametrize("T,E", [(40, 2), (96, 4), (130, 3)])
+def test_many_tokens_per_expert_take_several_passes(T, E):
+    """Up to ~90 slots on one expert: the tensor-core path's n-tiles (8 tokens, 4 a pass over the
+    weights) run several passes and a partial last tile; slot order and repeats as on the CPU."""
+    H, I, K = 256, 64, 2
+    x, ids, weights, experts = make(T, H, I, E, K, torch.bfloat16, seed=T + E, repeats=True)
+    want = moe_experts(x, ids, weights, experts, I)
+    got = moe_experts(x.to(CUDA), ids.to(CUDA), weights.to(CUDA), experts.to(CUDA), I)
+    assert_close(got, want, torch.bfloat16, f"T={T} E={E}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpt_oss_with_biases_matches_the_cpu_op(dtype):
     T, H, I, E, K = 9, 128, 64, 16, 4

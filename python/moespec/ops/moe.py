@@ -20,8 +20,9 @@ Activation = Literal["swiglu", "gpt_oss"]
 _ACTIVATION_CODES = {"swiglu": 0, "gpt_oss": 1}
 # From this many tokens on (prefill), bf16 SwiGLU experts on CUDA run as torch's grouped GEMM
 # (moe_experts_grouped) instead of the decode/verify kernel; MOESPEC_GROUPED_MIN_TOKENS overrides it
-# (0: never). A first guess, to be set by tests/gpu/bench_moe_experts_cuda.py's crossover.
-GROUPED_MIN_TOKENS = 512
+# (0: never). Set by tests/gpu/bench_moe_experts_cuda.py's crossover at the Qwen3-30B-A3B shape on an
+# H200 (2026-12-04): the kernel 734 us against 973 at T = 512, the grouped GEMM 1204 against 1302 at 1024.
+GROUPED_MIN_TOKENS = 1024
 
 
 def grouped_fits(hidden: int, intermediate: int) -> bool:
