@@ -37,28 +37,33 @@ if [[ -n "${TensorRT_ROOT:-}" ]]; then
 fi
 log "configure ($BUILD, CUDA architectures ${CUDA_ARCHS:-90a}${trt:+, TensorRT plugins}) -> $LOGS/configure.log"
 cmake -S . -B "$BUILD" -G Ninja -DPython_EXECUTABLE="$PY" -DMOESPEC_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DMOESPEC_INPLACE=ON -DCMAKE_BUILD_TYPE=Release "${trt[@]}" \
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DMOESPEC_INPLACE=ON -DCMAKE_BUILD_TYPE=Release -DMOESPEC_WERROR=OFF \
+  "${trt[@]}" \
   2>&1 | tee "$LOGS/configure.log"
 
 log "build -> $LOGS/build.log"
 cmake --build "$BUILD" -j "${JOBS:-$(nproc)}" 2>&1 | tee "$LOGS/build.log"
 
 results=()  # "name": "passed" | "failed", written to $LOGS/summary.json
-step() {  # step <name> <log file> <command...>: runs it, logs it, records its result
-  local name=$1 file=$2
-  shift 2
-  log "$name -> $LOGS/$file"
-  if "$@" 2>&1 | tee -a "$LOGS/$file"; then results+=("\"$name\": \"passed\""); else
+step() {  # step <name> <log file> <seconds> <command...>: runs it (stopped after <seconds>: one hung
+  # step must not eat the device call), logs it, records its result
+  local name=$1 file=$2 limit=$3 started=$SECONDS
+  shift 3
+  log "$name -> $LOGS/$file (at most ${limit} s)"
+  if timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOGS/$file"; then results+=("\"$name\": \"passed\""); else
     results+=("\"$name\": \"failed\""); status=1; fi
+  log "$name: $((SECONDS - started)) s"
 }
 
-step "C++ tests (ctest)" ctest.log bash -c "cd '$BUILD' && ctest --output-on-failure"
+step "C++ tests (ctest)" ctest.log 120 bash -c "cd '$BUILD' && ctest --output-on-failure"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$LOGS/pytest.log" || true
-step "GPU tests (pytest tests/gpu)" pytest.log env PYTHONPATH=python "$PY" -m pytest -q tests/gpu
-step "timing: route_experts" bench.log env PYTHONPATH=python "$PY" tests/gpu/bench_route_experts_cuda.py
-step "timing: moe_experts" bench_moe.log env PYTHONPATH=python "$PY" tests/gpu/bench_moe_experts_cuda.py
-step "timing: runtime steps" bench_runtime.log env PYTHONPATH=python "$PY" tests/gpu/bench_runtime_cuda.py
-step "hardware profile" profile.log "$PY" tests/gpu/measure_profile.py
+for file in tests/gpu/test_*.py; do  # one process a file: a crash in one does not hide the others' results
+  step "GPU tests ($file)" pytest.log 120 env PYTHONPATH=python "$PY" -m pytest -q -p no:cacheprovider --durations=5 "$file"
+done
+step "timing: route_experts" bench.log 45 env PYTHONPATH=python "$PY" tests/gpu/bench_route_experts_cuda.py
+step "timing: moe_experts" bench_moe.log 110 env PYTHONPATH=python "$PY" tests/gpu/bench_moe_experts_cuda.py
+step "timing: runtime steps" bench_runtime.log 130 env PYTHONPATH=python "$PY" tests/gpu/bench_runtime_cuda.py
+step "hardware profile" profile.log 45 "$PY" tests/gpu/measure_profile.py
 (IFS=,; printf '{%s}\n' "${results[*]}") >"$LOGS/summary.json"
 
 if [[ $status == 0 ]]; then log "all passed; logs in $LOGS"; else log "FAILED (see above); logs in $LOGS"; fi

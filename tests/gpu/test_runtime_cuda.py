@@ -33,7 +33,7 @@ def folder(tmp_path_factory):
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float, where: str) -> None:
-    got, want = got.float().cpu(), want.float()
+    got, want = got.float().cpu(), want.float().cpu()
     scale = float(want.abs().max())
     err = float((got - want).abs().max())
     assert err <= tol * scale, f"{where}: max error {err} > {tol} x {scale}"
@@ -44,7 +44,8 @@ def test_prefill_decode_and_verify_match_the_cpu(folder, dtype, tol):
     cpu = mm.load(folder, dtype, device="cpu")
     cpu.backend_name = "reference"
     gpu = mm.load(folder, dtype, device="cuda")
-    assert gpu.backend_name == "reference" and gpu.weights.embed.is_cuda
+    assert gpu.backend_name == "graphs" and gpu.weights.embed.is_cuda  # the CUDA default
+    gpu.backend_name = "reference"  # (graphs against eager: test_graph_replay_equals_eager)
     caches = [m.new_cache(2, 32) for m in (cpu, gpu)]
     outs = [m.prefill(c, PROMPTS, logits="all") for m, c in zip((cpu, gpu), caches)]
     _close(outs[1].logits, outs[0].logits, tol, f"{dtype} prefill")
@@ -217,3 +218,10 @@ def test_draft_graph_replay_equals_the_eager_round(folder, monkeypatch):
     monkeypatch.setattr(draft_graph.StaticDraftRound, "run", patched)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
     assert rounds and llm.policy._static.graph is not None
+    # the value checks' flags come from the replay (the first round's from its eager run: a capture
+    # computes nothing, and reading the capture's flags raised at the first round)
+    static = llm.policy._static
+    B, logits, hidden = static.builder.batch, static.logits.clone(), static.hidden.clone()
+    with pytest.raises(ValueError, match=r"^root_tokens: expected token ids .*\(checked at finalize on cuda"):
+        original(static, [-3] * B, logits, hidden)
+    assert len(original(static, [7] * B, logits, hidden)) == B
