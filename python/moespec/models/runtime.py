@@ -55,8 +55,9 @@ class TargetModel:
         ("reference" also selects the reference backend).
     backend : {"native", "reference", "graphs"}, optional
         How calls run (:mod:`moespec.runtime.backend`): the native decoder step (default where it
-        runs: CPU, float32 or bfloat16) or the torch reference forward; default: the environment
-        variable MOESPEC_BACKEND, else "native". Settable later as ``model.backend_name``.
+        runs: CPU, float32 or bfloat16), the torch reference forward, or that forward replayed as
+        CUDA graphs; default: the environment variable MOESPEC_BACKEND, else "graphs" on CUDA and
+        "native" elsewhere. Settable later as ``model.backend_name``.
     """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, taps: Sequence[int] = (),

@@ -66,10 +66,13 @@ class ForwardOutput:
 
 
 def make_backend(model: "TargetModel", name: Optional[str] = None):
-    """The backend ``name`` ("native", "reference", "graphs"; default MOESPEC_BACKEND, else "native")
-    for ``model``; "native" falls back to the reference where it cannot run (a dtype other than
-    float32 and bfloat16, weights off the CPU, ``moe_impl="reference"``)."""
-    name = name or os.environ.get("MOESPEC_BACKEND") or "native"
+    """The backend ``name`` ("native", "reference", "graphs"; default MOESPEC_BACKEND, else "graphs"
+    for a model on CUDA and "native" elsewhere) for ``model``; "native" falls back to the reference
+    where it cannot run (a dtype other than float32 and bfloat16, weights off the CPU,
+    ``moe_impl="reference"``). Graphs are the CUDA default since an H200 held their replay to the
+    eager reference (tests/gpu/test_runtime_cuda.py, 2026-12-04) and ran a verify step 2.4-5x faster
+    (tests/gpu/bench_runtime_cuda.py)."""
+    name = name or os.environ.get("MOESPEC_BACKEND") or ("graphs" if model.device.type == "cuda" else "native")
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
     reference = ReferenceBackend(model)

@@ -54,9 +54,12 @@ class Eagle3Policy:
                              "without MoE layers, so an expert budget has nothing to cap (use 'eagle3')")
         target.set_taps(self.head.config.aux_layers)
         self._builders: dict[int, TreeBuilder] = {}
-        # draft rounds on static shapes, captured as a CUDA graph on a GPU (moespec.spec.draft_graph);
-        # opt-in (MOESPEC_DRAFT_GRAPHS=1) until a GPU session has held replay to the eager round
-        self.draft_graphs = os.environ.get("MOESPEC_DRAFT_GRAPHS", "0") == "1"
+        # draft rounds on static shapes, captured as a CUDA graph on a GPU (moespec.spec.draft_graph):
+        # the default on CUDA (an H200 held replay to the eager round; the eagle3 step took 9.4 ms
+        # against 20.1 eager, tests/gpu/bench_runtime_cuda.py), off on the CPU (nothing to capture);
+        # MOESPEC_DRAFT_GRAPHS=1 / 0 forces it either way
+        flag = os.environ.get("MOESPEC_DRAFT_GRAPHS")
+        self.draft_graphs = flag == "1" if flag in ("0", "1") else target.device.type == "cuda"
         self._static: Optional[StaticDraftRound] = None
         self.selector = None  # the cost-aware verify-set choice of the eco policies (None: EAGLE-2's)
         if config.spec.selector == "cost_aware":
