@@ -7,8 +7,8 @@ and positions [B, T], the attention mask [B, T, S_max] over the whole cache, the
 [B T]), runs the reference forward on them eagerly (that call's result) and, on CUDA, captures the
 same forward into a ``torch.cuda.CUDAGraph`` (one memory pool for all buckets); later calls of the
 bucket copy their packed inputs (token ids, positions, the trees' packed mask words: one small
-host-to-device copy) into the static buffers, build the mask and slots there, and replay: one
-launch, no per-op dispatch, no host synchronisation inside the step (routing, budget and experts
+host-to-device copy) into a static buffer and replay; the mask and slots are built from that buffer
+inside the graph: one copy and one launch a step, no per-op dispatch, no host synchronisation inside the step (routing, budget and experts
 run in moespec's CUDA ops, which allocate from torch's allocator and run on the current stream). Prefill, and calls that fit no
 bucket (unequal tree sizes, trees over ``max_tokens`` nodes, an observer recording routing), run
 the reference forward as they are.
@@ -56,32 +56,42 @@ class StaticStep:
                             rows=torch.arange(B, **long).repeat_interleave(T), cols=torch.arange(T, **long).repeat(B),
                             slots=torch.zeros(B * T, **long))
         self.pool = pool
+        self.packed: Optional[torch.Tensor] = None  # long: the call's geometry, copied in by load()
+        self.words = 0  # packed mask words per token
+        self.cols_s, self.cols_t = torch.arange(S, **long), torch.arange(T, **long)  # slot / new-token index
         self.graph = None
         self.out: Optional["ForwardOutput"] = None
 
     def load(self, geo: "StepGeometry", starts: list[int]) -> None:
-        """Copies one call's packed geometry into the static buffers in one host-to-device copy, and
-        builds the attention mask over every cache slot and the slots on the device from the tree's
-        packed mask words (committed slots, then ancestor-or-self among the new tokens)."""
-        b = self.batch
-        B, T = b.tokens.shape
-        S = b.visible.shape[-1]
-        P, W = geo.mask.shape
+        """Copies one call's packed geometry (token ids, positions, each request's first new slot, the
+        trees' packed mask words) into the static ``packed`` buffer, in one host-to-device copy. The
+        mask and slots are built from it inside the forward (:meth:`_unpack`), so on CUDA they are part
+        of the graph: a call launches the copy and the replay, nothing else."""
         host = torch.cat([geo.tokens.long(), geo.positions.long(),
                           to_device(starts, geo.tokens.device, torch.long),
                           geo.mask.long().reshape(-1)])  # (on the host, or on the GPU for the torch tree core's trees)
-        dev = to_device(host, b.tokens.device)
-        start = dev[2 * P: 2 * P + B]
-        words = dev[2 * P + B:].view(B, T, W)  # int32 words sign-extended: bits 0..31 as they were
-        b.tokens.copy_(dev[:P].view(B, T))
-        b.positions.copy_(dev[P: 2 * P].view(B, T))
-        rel = torch.arange(S, device=dev.device)[None, :] - start[:, None]  # [B, S]: index among the new tokens
+        if self.packed is None:
+            self.words = geo.mask.shape[1]
+            self.packed = torch.empty(host.numel(), dtype=torch.long, device=self.batch.tokens.device)
+        self.packed.copy_(to_device(host, self.packed.device))
+
+    def _unpack(self) -> None:
+        """tokens, positions, the attention mask over every cache slot (committed slots, then
+        ancestor-or-self among the new tokens) and the cache slots, from ``packed``."""
+        b = self.batch
+        B, T = b.tokens.shape
+        S, P = b.visible.shape[-1], B * T
+        start = self.packed[2 * P: 2 * P + B]
+        words = self.packed[2 * P + B:].view(B, T, self.words)  # int32 words sign-extended: bits 0..31 as they were
+        b.tokens.copy_(self.packed[:P].view(B, T))
+        b.positions.copy_(self.packed[P: 2 * P].view(B, T))
+        rel = self.cols_s[None, :] - start[:, None]  # [B, S]: index among the new tokens
         r = rel.clamp(0, T - 1)
         word = torch.gather(words, 2, (r // 32)[:, None, :].expand(B, T, S))  # [B, T, S]
         bit = ((word >> (r % 32)[:, None, :]) & 1).bool()
         new = ((rel >= 0) & (rel < T))[:, None, :] & bit
         b.visible.copy_((rel < 0)[:, None, :] | new)
-        b.slots.copy_((start[:, None] + torch.arange(T, device=dev.device)).reshape(-1))
+        b.slots.copy_((start[:, None] + self.cols_t[None, :]).reshape(-1))
 
     def run(self) -> "ForwardOutput":
         """The forward on the loaded inputs: eagerly the first time (capturing it on CUDA), then replayed."""
@@ -94,6 +104,7 @@ class StaticStep:
         return out
 
     def _forward(self) -> "ForwardOutput":
+        self._unpack()
         return self.reference._forward(self.cache, self.batch, self.budget, last_only=False)
 
     def _capture(self) -> None:
