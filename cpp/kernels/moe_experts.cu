@@ -448,6 +448,37 @@ __device__ __forceinline__ int frag_row(int lane, int i) { return lane / 4 + (i 
 __device__ __forceinline__ int frag_col(int lane, int i) { return 2 * (lane % 4) + (i & 1); }
 
 
+// The passes of one block over its expert's slots, kTiles * 8 at a time, against weight rows of n
+// elements (w[m], 16 rows each, row stride n): the activation row of slot `at` (0 <= at < count) is
+// row_of(at); each pass streams the block's weight rows once
+// (mma_rows), sums the warps' tiles, and warp 0 hands every element of the tile to
+// store(at, row in the 16, the summed accumulators, tile, fragment element).
+template <int kMats, int kTiles, typename RowOf, typename Store>
+__device__ __forceinline__ void expert_passes(const __nv_bfloat16* const (&w)[kMats], int64_t n, int32_t count,
+                                              float* red, RowOf row_of, Store store) {
+  constexpr int kUnroll = kTiles <= 2 ? 4 : 2;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  for (int32_t j0 = 0; j0 < count; j0 += kTiles * 8) {
+    const int tiles = (count - j0 + 7) / 8 < kTiles ? (count - j0 + 7) / 8 : kTiles;
+    const __nv_bfloat16* arow[kTiles];
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {  // token g of tile j (past the last: the last again, not stored)
+      const int32_t at = j0 + j * 8 + lane / 4;
+      arow[j] = row_of(at < count ? at : count - 1);
+    }
+    float acc[kMats][kTiles][4] = {};
+    mma_rows<kMats, kTiles, kUnroll>(w, n, arow, tiles, n, warp, lane, acc);
+    if (!reduce_warps<kMats, kTiles>(acc, red, warp, lane)) continue;
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int32_t at = j0 + j * 8 + frag_col(lane, i);
+        if (at < count) store(at, frag_row(lane, i), acc, j, i);
+      }
+  }
+}
+
 // grid (I / 16, used experts bound), block kSplit warps: gate and up rows [16 blockIdx.x, +16) of
 // expert used[1 + blockIdx.y], over all of its slots.
 template <int kTiles>
@@ -460,34 +491,17 @@ __global__ void __launch_bounds__(kSplit * kWarp)
   if (static_cast<int32_t>(blockIdx.y) >= used[0]) return;  // no such used expert: nothing is read
   const int e = used[1 + blockIdx.y];
   const int32_t first = offsets[e], count = offsets[e + 1] - first;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
   const __nv_bfloat16* gate = experts + static_cast<int64_t>(e) * 3 * I * H + r0 * H;
   const __nv_bfloat16* const w[2] = {gate, gate + I * H};
   const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) : nullptr;
-  constexpr int kUnroll = kTiles <= 2 ? 4 : 2;
-  for (int32_t j0 = 0; j0 < count; j0 += kTiles * 8) {
-    const int tiles = (count - j0 + 7) / 8 < kTiles ? (count - j0 + 7) / 8 : kTiles;
-    const __nv_bfloat16* arow[kTiles];
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j) {  // token g of tile j (past the last: the last again, not stored)
-      const int32_t at = j0 + j * 8 + lane / 4;
-      arow[j] = x + static_cast<int64_t>(order[first + (at < count ? at : count - 1)] / K) * ldx;
-    }
-    float acc[2][kTiles][4] = {};
-    mma_rows<2, kTiles, kUnroll>(w, H, arow, tiles, H, warp, lane, acc);
-    if (!reduce_warps<2, kTiles>(acc, red, warp, lane)) continue;
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int32_t at = j0 + j * 8 + frag_col(lane, i);
-        const int64_t row = r0 + frag_row(lane, i);
-        if (at < count)
-          h[static_cast<int64_t>(first + at) * I + row] = __float2bfloat16_rn(activate(acc[0][j][i], acc[1][j][i],
-                                                                                     bias, I, row, p));
-      }
-  }
+  expert_passes<2, kTiles>(
+      w, H, count, red, [=](int32_t at) { return x + static_cast<int64_t>(order[first + at] / K) * ldx; },
+      [=](int32_t at, int r, const float (&acc)[2][kTiles][4], int j, int i) {
+        const int64_t row = r0 + r;
+        h[static_cast<int64_t>(first + at) * I + row] =
+            __float2bfloat16_rn(activate(acc[0][j][i], acc[1][j][i], bias, I, row, p));
+      });
 }
 
 // grid (H / 16, used experts bound), block kSplit warps: down rows [16 blockIdx.x, +16) of expert
@@ -501,31 +515,15 @@ __global__ void __launch_bounds__(kSplit * kWarp)
   if (static_cast<int32_t>(blockIdx.y) >= used[0]) return;
   const int e = used[1 + blockIdx.y];
   const int32_t first = offsets[e], count = offsets[e + 1] - first;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
   const __nv_bfloat16* const w[1] = {experts + static_cast<int64_t>(e) * 3 * I * H + 2 * I * H + r0 * I};
   const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) + 2 * I : nullptr;
-  constexpr int kUnroll = kTiles <= 2 ? 4 : 2;
-  for (int32_t j0 = 0; j0 < count; j0 += kTiles * 8) {
-    const int tiles = (count - j0 + 7) / 8 < kTiles ? (count - j0 + 7) / 8 : kTiles;
-    const __nv_bfloat16* arow[kTiles];
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j) {
-      const int32_t at = j0 + j * 8 + lane / 4;
-      arow[j] = h + static_cast<int64_t>(first + (at < count ? at : count - 1)) * I;
-    }
-    float acc[1][kTiles][4] = {};
-    mma_rows<1, kTiles, kUnroll>(w, I, arow, tiles, I, warp, lane, acc);
-    if (!reduce_warps<1, kTiles>(acc, red, warp, lane)) continue;
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int32_t at = j0 + j * 8 + frag_col(lane, i);
-        const int64_t row = r0 + frag_row(lane, i);
-        if (at < count) y[static_cast<int64_t>(first + at) * H + row] = acc[0][j][i] + (bias ? bias[row] : 0.0f);
-      }
-  }
+  expert_passes<1, kTiles>(
+      w, I, count, red, [=](int32_t at) { return h + static_cast<int64_t>(first + at) * I; },
+      [=](int32_t at, int r, const float (&acc)[1][kTiles][4], int j, int i) {
+        const int64_t row = r0 + r;
+        y[static_cast<int64_t>(first + at) * H + row] = acc[0][j][i] + (bias ? bias[row] : 0.0f);
+      });
 }
 
 // ---- 4. combine ---------------------------------------------------------------------------------------
