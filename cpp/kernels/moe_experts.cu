@@ -388,7 +388,10 @@ __device__ __forceinline__ void mma_rows(const __nv_bfloat16* const (&w)[kMats],
       const int64_t k = k0 + u * kStride;
       if (k >= n) break;
 #pragma unroll
-      for (int m = 0; m < kMats; ++m) a[u][m][0] = load_stream(rows[m][0] + k), a[u][m][1] = load_stream(rows[m][1] + k);
+      for (int m = 0; m < kMats; ++m) {
+        a[u][m][0] = load_stream(rows[m][0] + k);
+        a[u][m][1] = load_stream(rows[m][1] + k);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {

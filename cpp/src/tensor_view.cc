@@ -1,7 +1,6 @@
 // TensorView helpers and argument checks (see cpp/include/moespec/tensor_view.h).
 #include "moespec/tensor_view.h"
 
-
 #include "moespec/error.h"
 
 namespace moespec {

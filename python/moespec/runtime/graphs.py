@@ -8,8 +8,9 @@ and positions [B, T], the attention mask [B, T, S_max] over the whole cache, the
 same forward into a ``torch.cuda.CUDAGraph`` (one memory pool for all buckets); later calls of the
 bucket copy their packed inputs (token ids, positions, the trees' packed mask words: one small
 host-to-device copy) into a static buffer and replay; the mask and slots are built from that buffer
-inside the graph: one copy and one launch a step, no per-op dispatch, no host synchronisation inside the step (routing, budget and experts
-run in moespec's CUDA ops, which allocate from torch's allocator and run on the current stream). Prefill, and calls that fit no
+inside the graph: one copy and one launch a step, no per-op dispatch, no host synchronisation
+inside the step (routing, budget and experts run in moespec's CUDA ops, which allocate from torch's
+allocator and run on the current stream). Prefill, and calls that fit no
 bucket (unequal tree sizes, trees over ``max_tokens`` nodes, an observer recording routing), run
 the reference forward as they are.
 

@@ -18,9 +18,9 @@ are its eager run's, later ones the replay's. On the CPU nothing is captured: th
 runs eagerly, which is what the CPU tests hold against the dynamic round
 (tests/python/test_spec_decoding.py); tests/python/test_graphs.py replays it from a CPU stand-in for
 a graph (tests/python/fake_graph.py), and tests/gpu/test_runtime_cuda.py holds replay against it on
-a GPU (an H200 did, 2026-12-04). The default on CUDA; ``MOESPEC_DRAFT_GRAPHS=0`` turns it off, ``=1`` runs
-the static round on the CPU too. The eco policies, whose
-tree choice runs on the host, keep the dynamic round.
+a GPU (an H200 did, 2026-12-04). The default on CUDA; ``MOESPEC_DRAFT_GRAPHS=0`` turns it off,
+``=1`` runs the static round on the CPU too. The eco policies, whose tree choice runs on the host,
+keep the dynamic round.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Value checks need the values on the host. On the CPU they run at the call (a fai
 nothing, as in the native core); on a GPU each call records a flag on the device and the finalize
 raises the first recorded problem, naming the argument (checking at the call would synchronise
 every level). The flags are written in place into a buffer allocated once, so that a CUDA graph of
-a round (moespec.spec.draft_graph) writes the ones the finalize reads. Token ids are clamped for the gathers, so bad input never reaches a device assert.
+a round (moespec.spec.draft_graph) writes the ones the finalize reads. Token ids are clamped for
+the gathers, so bad input never reaches a device assert.
 
 Dimensions: B requests, K top-k, C candidates (at most K + (D - 1) K^2), M tree nodes without the
 root, N = M + 1, W = ceil(N / 32) mask words, L = levels + 1.
