@@ -18,6 +18,8 @@
 //   4. active_kernel         one block: the sorted active list (padded with N), the stats and the
 //                            count of tokens with non-finite input (route_experts_nonfinite_offset)
 // With T = 0 steps 1 and 3 are not launched (steps 2 and 4 then write active = [N] * N, stats = 0).
+// At decode and verify sizes (T <= 64, N <= 256) one block runs the four steps in one launch
+// (fused_route_kernel, block barriers between the steps; MOESPEC_ROUTE_FUSED=0 turns it off).
 //
 // Matching the CPU: every float operation is the one route_experts.cc performs, in the same order
 // (sums that the CPU does sequentially are sequential here too; the softmax sum follows the lane
@@ -32,6 +34,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "moespec/detail/route_math.h"
 #include "moespec/error.h"
@@ -310,16 +313,9 @@ __device__ void finish_weights(const Params& p, const int32_t* ids, float* w) {
 // Kernels
 
 // 1. One warp per token: prob row, selection key, natural top-K.
-__global__ void __launch_bounds__(kTokenThreads) natural_route_kernel(Params p) {
-  __shared__ float s_x[kWarpsPerBlock][kMaxExperts];        // logits
-  __shared__ float s_y[kWarpsPerBlock][kMaxExperts];        // probability, or the selection key
-  __shared__ float s_group[kWarpsPerBlock][kMaxExperts / 2];  // deepseek_v3 group scores
-  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (t >= p.T) return;  // whole warps; this kernel has no block-wide barrier
+// Token t by one warp; x, y (N floats) and group (N / 2) are the warp's shared scratch.
+__device__ void natural_route_token(const Params& p, int64_t t, float* x, float* y, float* group, int lane) {
   const int N = p.N;
-  float* x = s_x[warp];
-  float* y = s_y[warp];
   float* prob = p.ws.prob + t * N;
   bool finite = true;
   for (int e = lane; e < N; e += kWarp) {
@@ -343,7 +339,7 @@ __global__ void __launch_bounds__(kTokenThreads) natural_route_kernel(Params p) 
       y[e] = s + (p.bias ? p.bias[e] : 0.0f);
     }
     __syncwarp();
-    if (p.n_group > 1 && p.topk_group < p.n_group) mask_groups(y, N, p.n_group, p.topk_group, s_group[warp], lane);
+    if (p.n_group > 1 && p.topk_group < p.n_group) mask_groups(y, N, p.n_group, p.topk_group, group, lane);
     key = y;
   } else {
     if (p.family == RouterFamily::kSoftmax || p.max_experts > 0) {
@@ -355,15 +351,37 @@ __global__ void __launch_bounds__(kTokenThreads) natural_route_kernel(Params p) 
   warp_topk(key, N, p.K, p.ws.nat_ids + t * p.K, lane);
 }
 
+__global__ void __launch_bounds__(kTokenThreads) natural_route_kernel(Params p) {
+  __shared__ float s_x[kWarpsPerBlock][kMaxExperts];        // logits
+  __shared__ float s_y[kWarpsPerBlock][kMaxExperts];        // probability, or the selection key
+  __shared__ float s_group[kWarpsPerBlock][kMaxExperts / 2];  // deepseek_v3 group scores
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (t >= p.T) return;  // whole warps; this kernel has no block-wide barrier
+  natural_route_token(p, t, s_x[warp], s_y[warp], s_group[warp], lane);
+}
+
 // 2. One block of at least max(N, 64) threads: the budget set. Mirrors route_experts.cc
 // choose_budget_set; scores are sorted by (score desc, id asc) with a bitonic sort, which for
 // this total order gives the CPU's stable_sort order.
-__global__ void __launch_bounds__(kMaxThreads) budget_set_kernel(Params p) {
-  __shared__ int32_t s_mark[kMaxExperts];    // natural union
-  __shared__ double s_score[kMaxExperts];    // budget score by expert id
-  __shared__ double s_key[kMaxExperts];      // scores sorted, then their running sums
-  __shared__ int32_t s_order[kMaxExperts];   // expert ids sorted by score
-  __shared__ double s_total;
+// The block's shared state of the budget set, for up to kCap experts (a power of two >= N).
+template <int kCap>
+struct BudgetShared {
+  int32_t mark[kCap];    // natural union
+  double score[kCap];    // budget score by expert id
+  double key[kCap];      // scores sorted, then their running sums
+  int32_t order[kCap];   // expert ids sorted by score
+  double total;
+};
+
+// The whole block (at least max(N, 64) threads); returns uniformly.
+template <int kCap>
+__device__ void budget_set_block(const Params& p, BudgetShared<kCap>& sh) {
+  int32_t* s_mark = sh.mark;
+  double* s_score = sh.score;
+  double* s_key = sh.key;
+  int32_t* s_order = sh.order;
+  double& s_total = sh.total;
   const int tid = static_cast<int>(threadIdx.x), threads = static_cast<int>(blockDim.x);
   const int N = p.N, K = p.K;
   int32_t* counters = p.ws.counters;
@@ -464,20 +482,18 @@ __global__ void __launch_bounds__(kMaxThreads) budget_set_kernel(Params p) {
   }
 }
 
+__global__ void __launch_bounds__(kMaxThreads) budget_set_kernel(Params p) {
+  __shared__ BudgetShared<kMaxExperts> sh;
+  budget_set_block(p, sh);
+}
+
 // 3. One warp per token: final ids, weights, stats counts, used-expert marks.
-__global__ void __launch_bounds__(kTokenThreads) final_route_kernel(Params p) {
-  __shared__ float s_key[kWarpsPerBlock][kMaxExperts];  // substitution's selection key
-  __shared__ int32_t s_ids[kWarpsPerBlock][kMaxTopK];
-  __shared__ float s_w[kWarpsPerBlock][kMaxTopK];
-  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (t >= p.T) return;  // whole warps; this kernel has no block-wide barrier
+// Token t by one warp; key (N floats), ids and w (K each) are the warp's shared scratch.
+__device__ void final_route_token(const Params& p, int64_t t, float* key, int32_t* ids, float* w, int lane) {
   const int N = p.N, K = p.K;
   const int32_t* nat = p.ws.nat_ids + t * K;
   const float* prob = p.ws.prob + t * N;
   const int32_t* in_set = p.ws.in_set;
-  int32_t* ids = s_ids[warp];
-  float* w = s_w[warp];
 
   if (p.ws.counters[kCapped] == 0) {
     for (int j = lane; j < K; j += kWarp) ids[j] = nat[j];
@@ -497,7 +513,6 @@ __global__ void __launch_bounds__(kTokenThreads) final_route_kernel(Params p) {
       for (int j = lane; j < K; j += kWarp) ids[j] = nat[j];  // every natural expert is in S
     } else {
       // top-K of the family's selection key restricted to S (no group limit).
-      float* key = s_key[warp];
       for (int e = lane; e < N; e += kWarp) {
         float v = p.family == RouterFamily::kGptOss ? load_logit(p, t, e) : prob[e];
         if (p.family == RouterFamily::kDeepSeekV3 && p.bias) v += p.bias[e];
@@ -538,8 +553,19 @@ __global__ void __launch_bounds__(kTokenThreads) final_route_kernel(Params p) {
   }
 }
 
+__global__ void __launch_bounds__(kTokenThreads) final_route_kernel(Params p) {
+  __shared__ float s_key[kWarpsPerBlock][kMaxExperts];  // substitution's selection key
+  __shared__ int32_t s_ids[kWarpsPerBlock][kMaxTopK];
+  __shared__ float s_w[kWarpsPerBlock][kMaxTopK];
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (t >= p.T) return;  // whole warps; this kernel has no block-wide barrier
+  final_route_token(p, t, s_key[warp], s_ids[warp], s_w[warp], lane);
+}
+
 // 4. One block of round_up(N, 32) threads: active = the used ids ascending, then N; stats.
-__global__ void __launch_bounds__(kMaxThreads) active_kernel(Params p) {
+// The whole block (at least N threads, whole warps).
+__device__ void active_block(const Params& p) {
   __shared__ int32_t s_warp_count[kMaxThreads / kWarp];
   const int e = static_cast<int>(threadIdx.x), lane = e % kWarp, warp = e / kWarp;
   const int warps = static_cast<int>(blockDim.x) / kWarp;
@@ -573,6 +599,47 @@ __global__ void __launch_bounds__(kMaxThreads) active_kernel(Params p) {
   if (lane == 0 && bad != 0) atomicAdd(&s_bad, bad);
   __syncthreads();
   if (e == 0) p.ws.counters[kNonFinite] = s_bad;
+}
+
+__global__ void __launch_bounds__(kMaxThreads) active_kernel(Params p) { active_block(p); }
+
+// Steps 1-4 in one block, for decode and verify sizes (T <= kFusedMaxTokens, N <= kFusedMaxExperts):
+// the same device functions, block barriers where the launch boundaries were; each warp takes
+// tokens warp, warp + kFusedWarps, ... Three launch gaps and ramps fewer, so that routing + budget
+// is a small share of a captured verify layer.
+constexpr int kFusedWarps = 16;
+constexpr int kFusedThreads = kFusedWarps * kWarp;
+constexpr int kFusedMaxExperts = 256;
+constexpr int64_t kFusedMaxTokens = 64;
+static_assert(kFusedMaxExperts <= kFusedThreads, "the budget and active steps hold one expert per thread");
+static_assert(2 * kMaxTopK <= kFusedMaxExperts / 2, "a token's final ids and weights fit its group scratch");
+
+__global__ void __launch_bounds__(kFusedThreads) fused_route_kernel(Params p) {
+  __shared__ float s_x[kFusedWarps][kFusedMaxExperts];
+  __shared__ float s_y[kFusedWarps][kFusedMaxExperts];
+  __shared__ float s_group[kFusedWarps][kFusedMaxExperts / 2];  // group scores; then final ids, weights
+  __shared__ BudgetShared<kFusedMaxExperts> sh;
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  for (int64_t t = warp; t < p.T; t += kFusedWarps) {
+    natural_route_token(p, t, s_x[warp], s_y[warp], s_group[warp], lane);
+    __syncwarp();  // the next token's writes to the scratch wait for this one's reads
+  }
+  __syncthreads();
+  budget_set_block(p, sh);
+  __syncthreads();
+  int32_t* ids = reinterpret_cast<int32_t*>(s_group[warp]);
+  for (int64_t t = warp; t < p.T; t += kFusedWarps) {
+    final_route_token(p, t, s_y[warp], ids, s_group[warp] + kMaxTopK, lane);
+    __syncwarp();  // the next token's writes to the scratch wait for this one's reads
+  }
+  __syncthreads();
+  active_block(p);
+}
+
+// MOESPEC_ROUTE_FUSED=0 takes the four-launch path at every size (to compare the two).
+bool fused_allowed() {
+  const char* flag = std::getenv("MOESPEC_ROUTE_FUSED");
+  return flag == nullptr || flag[0] != '0';
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -666,6 +733,11 @@ void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t wo
 
   DeviceGuard guard(args.router_logits.device_index);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (T <= kFusedMaxTokens && N <= kFusedMaxExperts && fused_allowed()) {
+    fused_route_kernel<<<1, kFusedThreads, 0, s>>>(p);
+    check_cuda(cudaGetLastError(), "launching fused_route_kernel");
+    return;
+  }
   const unsigned token_blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const int expert_threads = round_up_warp(N);
   if (T > 0) {

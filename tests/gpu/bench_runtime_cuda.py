@@ -220,9 +220,12 @@ def main() -> int:
     logits = torch.nn.functional.linear(x, router)
     # inside a CUDA graph, as in the captured verify step (no host-side dispatch in the number)
     t_route = graph_seconds(lambda: route_experts(logits, spec, ExpertBudget(32)))
+    os.environ["MOESPEC_ROUTE_FUSED"] = "0"  # the four-launch path, for comparison (read at each call)
+    t_route_4 = graph_seconds(lambda: route_experts(logits, spec, ExpertBudget(32)))
+    del os.environ["MOESPEC_ROUTE_FUSED"]
     layer_ms = next(r["graphs_ms"] for r in rows if r["T"] == 16 and r["budget"] == 32) / LAYERS
     print(f"routing + budget (T=16, B=32, in a graph): {t_route * 1e6:.1f} us = {100 * t_route * 1e3 / layer_ms:.1f}% "
-          f"of a verify layer ({layer_ms:.3f} ms)")
+          f"of a verify layer ({layer_ms:.3f} ms); four launches: {t_route_4 * 1e6:.1f} us")
     kernels = {T: kernel_table(m, cache, T) for T in (1, 16)}
     rounds = {f"B={B} {core}": draft_round_ms(B, core) for B in (1, 8) for core in ("torch", "native")}
     print("draft round (top-k 8, depth 6, 32 nodes; wall clock, synchronised): "
@@ -238,7 +241,8 @@ def main() -> int:
     if out:
         path = pathlib.Path(out) / "runtime_bench.json"
         path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows,
-                                    "route_us": t_route * 1e6, "layer_ms": layer_ms, "kernels": kernels, "draft_round_ms": rounds,
+                                    "route_us": t_route * 1e6, "route_four_launches_us": t_route_4 * 1e6,
+                                    "layer_ms": layer_ms, "kernels": kernels, "draft_round_ms": rounds,
                                     "eagle3_step_ms": step_parts}, indent=1))
         print(f"wrote {path}")
     return 0

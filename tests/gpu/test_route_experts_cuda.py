@@ -203,6 +203,22 @@ def test_bias_absent_and_scaling():
             check(logits, spec, budget, None, where=f"groups {n_group}/{topk_group} {budget}")
 
 
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["one_launch", "four_launches"])
+def test_both_launch_paths_at_verify_sizes(fused, monkeypatch):
+    """Decode and verify sizes take the one-block kernel; MOESPEC_ROUTE_FUSED=0 the four launches:
+    both equal the CPU op."""
+    monkeypatch.setenv("MOESPEC_ROUTE_FUSED", fused)
+    for family in ("softmax_renormalize", "deepseek_v3_grouped", "gpt_oss"):
+        for T in (1, 16, 64):
+            for N in (64, 128, 256):
+                spec = FAMILIES[family](8)
+                for budget_name in ("none", "substitution", "truncation", "coverage"):
+                    seed = SEED + 7 * T + N
+                    logits = make_logits(T, N, torch.bfloat16, seed)
+                    bias = make_bias(N, seed) if spec.family == "deepseek_v3" else None
+                    check(logits, spec, BUDGETS[budget_name](8, N), bias, where=f"{family} T={T} N={N} {budget_name}")
+
+
 @st.composite
 def routing_cases(draw):
     family = draw(st.sampled_from(["softmax", "deepseek_v3", "gpt_oss"]))
