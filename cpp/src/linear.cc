@@ -59,11 +59,15 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kMinRowTile = 16;   // rows per task, at least (a multiple of every ISA's kR)
-constexpr int64_t kMaxRowTile = 256;
+constexpr int64_t kMaxRowTile = 1024;
+constexpr int64_t kStreamMaxTokens = 16;  // up to this many tokens, ~2 tasks per thread (row_tile)
 constexpr int64_t kInlineMacs = 1 << 15;  // below this many multiply-adds, no thread pool
 
-int64_t row_tile(int64_t N, int threads) {
-  const int64_t want = (N + 8 * threads - 1) / (8 * threads);  // ~8 tasks per thread
+// Rows per task: ~8 tasks per thread for many tokens (compute-bound: balance), ~2 for few (memory-
+// bound: long runs of consecutive bytes per task, as the MoE kernel's streaming schedule).
+int64_t row_tile(int64_t N, int64_t T, int threads) {
+  const int64_t per_thread = T <= kStreamMaxTokens ? 2 : 8;
+  const int64_t want = (N + per_thread * threads - 1) / (per_thread * threads);
   const int64_t tile = (want + kMinRowTile - 1) / kMinRowTile * kMinRowTile;
   return std::clamp(tile, kMinRowTile, kMaxRowTile);
 }
@@ -94,7 +98,7 @@ void linear_staged(const MoeExpertKernels& kernels, DType w_dtype, const void* w
     rows(0, N);
     return;
   }
-  const int64_t tile = row_tile(N, pool.num_threads());
+  const int64_t tile = row_tile(N, T, pool.num_threads());
   pool.parallel_for((N + tile - 1) / tile, [&](int64_t task) {
     const int64_t r0 = task * tile;
     rows(r0, std::min(r0 + tile, N));

@@ -124,10 +124,12 @@ def _tree(tokens: list[int], parents: list[int]):
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.one_of(st.none(), st.integers(1, 14)), min_size=1, max_size=4), st.integers(0, 2**31 - 1))
-def test_batched_greedy_acceptance_equals_the_walk(sizes, seed):
-    """accept_greedy_trees (vectorised, one copy back) gives each tree exactly accept()'s greedy path and
-    tokens: duplicate sibling tokens (the lowest-index child wins), unequal sizes, requests without a tree."""
+@given(st.lists(st.one_of(st.none(), st.integers(1, 14)), min_size=1, max_size=4), st.integers(0, 2**31 - 1),
+       st.booleans())
+def test_batched_greedy_acceptance_equals_the_walk(sizes, seed, on_host):
+    """accept_greedy_trees (vectorised, one copy back; or walked on the host) gives each tree exactly
+    accept()'s greedy path and tokens: duplicate sibling tokens (the lowest-index child wins), unequal
+    sizes, requests without a tree."""
     from moespec.spec.sampling import accept_greedy_trees
 
     g = torch.Generator().manual_seed(seed)
@@ -144,7 +146,7 @@ def test_batched_greedy_acceptance_equals_the_walk(sizes, seed):
         tokens = [int(torch.randint(0, V, (1,), generator=g)) for _ in range(n)]
         trees.append(_tree(tokens, parents))
         want.append(accept(tokens, parents, logits[b, :n], SamplingParams()))
-    got = accept_greedy_trees(trees, logits)
+    got = accept_greedy_trees(trees, logits, on_host=on_host)
     for g_, w in zip(got, want):
         assert (g_ is None) == (w is None)
         if w is not None:

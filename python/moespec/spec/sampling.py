@@ -109,19 +109,11 @@ def accept(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, 
     """Accepts a path of one verified tree: ``tokens``/``parents`` [M + 1], target ``logits`` [M + 1, V]
     (row i: the target's next-token logits after node i). (A batch of greedy trees:
     :func:`accept_greedy_trees`, one copy back from the device.)"""
+    if params.greedy:
+        return _greedy_walk(tokens, parents, greedy_choice(logits).tolist())
     kids = children_of(parents)
     path, out = [0], []
     node = 0
-    if params.greedy:
-        choice = greedy_choice(logits).tolist()  # [M + 1]
-        while True:
-            nxt = next((c for c in kids[node] if tokens[c] == choice[node]), None)
-            if nxt is None:
-                out.append(choice[node])
-                return Acceptance(path, out)
-            path.append(nxt)
-            out.append(tokens[nxt])
-            node = nxt
     logits = logits.cpu()  # the draws use the request's CPU generator (a no-op for CPU logits)
     while True:
         p = probabilities(logits[node], params)  # [V]
@@ -145,15 +137,38 @@ def accept(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, 
         node = taken
 
 
-def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Tensor) -> list[Optional[Acceptance]]:
+def _greedy_walk(tokens: Sequence[int], parents: Sequence[int], choice: Sequence[int]) -> Acceptance:
+    """The greedy path of one tree: from the root, the lowest-index child whose token is the target's
+    choice at the path's last node, while there is one; then that node's choice (the bonus)."""
+    kids = children_of(parents)
+    path, out = [0], []
+    node = 0
+    while True:
+        nxt = next((c for c in kids[node] if tokens[c] == choice[node]), None)
+        if nxt is None:
+            out.append(choice[node])
+            return Acceptance(path, out)
+        path.append(nxt)
+        out.append(tokens[nxt])
+        node = nxt
+
+
+def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Tensor,
+                        on_host: Optional[bool] = None) -> list[Optional[Acceptance]]:
     """Greedy acceptance of a batch of verified trees where the logits are (the GPU: no host work per
     node, one copy back per call): ``trees[b]`` request b's tree (None: not verified), ``logits``
     [B, T, V] the verify pass's (row i of request b: after node i). The same paths and tokens as
     :func:`accept` with greedy params gives for each tree: at each depth the lowest-index child of
-    the path's last node whose token is the target's argmax there."""
+    the path's last node whose token is the target's argmax there. ``on_host`` (default: for CPU
+    logits) walks the trees in Python after one argmax, ~3x faster than the tensor walk's dozen
+    small ops on a CPU (0.3 against 0.9 ms a step of the default engine)."""
     live = [t for t in trees if t is not None]
     if not live:
         return [None] * len(trees)
+    if logits.device.type == "cpu" if on_host is None else on_host:
+        choice = greedy_choice(logits).tolist()  # [B][T] (the one copy back)
+        return [None if t is None else _greedy_walk(t.tokens.tolist(), t.parents.tolist(), choice[b])
+                for b, t in enumerate(trees)]
     B, T, dev = len(trees), logits.shape[1], logits.device
     where = live[0].tokens.device  # the trees' (the builder's) device: the host, or the GPU's buffers
     tokens = torch.zeros(B, T, dtype=torch.long, device=where)
