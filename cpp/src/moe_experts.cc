@@ -27,6 +27,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "moespec/cpu_isa.h"
@@ -240,6 +241,7 @@ constexpr int64_t kColTile = 64;  // phase 2: output columns per task
 constexpr int64_t kStreamMaxTokens = 64;  // up to this many tokens a call, the streaming schedule
 constexpr int64_t kStreamRangesPerThread = 2;  // contiguous row ranges per pool thread (some slack for balance)
 constexpr int64_t kStreamAlign = 16;  // ranges start at multiples of this many rows
+constexpr int64_t kTokensOuterAbove = 32;  // the products' tokens-outer threshold (kRowsOuterMaxTokens, ISA files)
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -353,8 +355,16 @@ void stream_rows_task(const Problem& p, int64_t rows_per_expert, int64_t offset,
     const char* w = expert_block(p, e) + static_cast<std::size_t>(offset + a * K) * p.w_size;
     const char* x = static_cast<const char*>(act);
     if (!by_token) x += static_cast<std::size_t>(first * ld_act) * (p.act_bf16 ? 2 : 4);
-    p.matmul(w, K, b - a, x, ld_act, by_token ? p.ws->use_token.data() + first : nullptr, n_e, K, dst + first * ld + a,
-             ld);
+    const int32_t* tokens = by_token ? p.ws->use_token.data() + first : nullptr;
+    // An expert with many tokens is compute-bound: its products run tokens outer, over chunks of
+    // kRowTile rows that stay in L2 (one pass over the whole range per token block would stream it
+    // from memory again and again); otherwise the range is one rows-outer stream.
+    const int64_t chunk = n_e > kTokensOuterAbove ? kRowTile : b - a;
+    for (int64_t r = a; r < b; r += chunk) {
+      const int64_t rows = std::min(chunk, b - r);
+      p.matmul(w + static_cast<std::size_t>((r - a) * K) * p.w_size, K, rows, x, ld_act, tokens, n_e, K,
+               dst + first * ld + r, ld);
+    }
   }
 }
 
@@ -400,6 +410,16 @@ void down_task(const Problem& p, int64_t c0, int64_t c1, const float* y_all) {
       for (int64_t c = c0; c < c1; ++c) out[t * p.H + c] = detail::float_to_bf16(p.acc[t * p.H + c]);
   }
   release_if_large(scratch.a);
+}
+
+// MOESPEC_MOE_SCHEDULE=tiled keeps the tiled schedule at every size (to compare the two; the
+// results are the same bits); unset or "auto": the streaming one up to kStreamMaxTokens tokens.
+bool streaming_allowed() {
+  const char* env = std::getenv("MOESPEC_MOE_SCHEDULE");
+  if (env == nullptr || std::strcmp(env, "auto") == 0) return true;
+  MOESPEC_CHECK_ARG(std::strcmp(env, "tiled") == 0, "MOESPEC_MOE_SCHEDULE", "expected 'auto' or 'tiled', got '",
+                    std::string(env), "'");
+  return false;
 }
 
 // Groups the used slots by expert; checks ids. Returns U.
@@ -483,7 +503,7 @@ void moe_experts_with(const MoeExpertsArgs& args, const MoeExpertKernels& kernel
   ThreadPool& pool = ThreadPool::instance();
   const int64_t n_active = static_cast<int64_t>(ws.active.size());
   const int64_t col_tiles = (H + kColTile - 1) / kColTile;
-  if (T <= kStreamMaxTokens) {  // the streaming schedule (see stream_rows_task)
+  if (T <= kStreamMaxTokens && streaming_allowed()) {  // the streaming schedule (see stream_rows_task)
     float* gu = static_cast<float*>(ws.gu.get(static_cast<std::size_t>(U * 2 * I) * 4));  // [U, 2I]
     float* y = static_cast<float*>(ws.y.get(static_cast<std::size_t>(U * H) * 4));        // [U, H]
     const int64_t ranges = kStreamRangesPerThread * pool.num_threads();

@@ -11,6 +11,8 @@ with no tokens, zero weights, both activations, both dtypes.
 
 from __future__ import annotations
 
+import os
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -117,6 +119,28 @@ def test_results_do_not_depend_on_the_thread_count():
     finally:
         set_num_threads(saved)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_streaming_and_tiled_schedules_give_the_same_bits(case):
+    """Up to 64 tokens the kernel streams contiguous row ranges (the activation and the weighted sum as
+    passes of their own); MOESPEC_MOE_SCHEDULE=tiled forces the tiled tasks: every element the same bits."""
+    x, ids, weights, experts, I, activation, biases = case
+    streamed = moe_experts(x, ids, weights, experts, I, activation=activation, biases=biases)
+    os.environ["MOESPEC_MOE_SCHEDULE"] = "tiled"
+    try:
+        tiled = moe_experts(x, ids, weights, experts, I, activation=activation, biases=biases)
+    finally:
+        del os.environ["MOESPEC_MOE_SCHEDULE"]
+    assert torch.equal(streamed, tiled)
+
+
+def test_unknown_schedule_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("MOESPEC_MOE_SCHEDULE", "fast")
+    x, experts = torch.randn(2, 8).bfloat16(), torch.randn(1, 3 * 4 * 8).bfloat16()
+    with pytest.raises(ValueError, match="MOESPEC_MOE_SCHEDULE: expected 'auto' or 'tiled', got 'fast'"):
+        moe_experts(x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), experts, 4)
 
 
 def _resident_bytes() -> int:

@@ -5,19 +5,26 @@
 
 For each layer shape (Qwen3-30B-A3B: hidden 2048, expert 768, 128 experts, top-8; OLMoE: 2048,
 1024, 64, top-8; bf16 weights) and T tokens, routings are built that touch exactly A experts
-(A swept from 8 to N), and three implementations run the same work, interleaved in one run:
-- moespec: ``moespec.ops.moe_experts`` (the native kernel, each active expert read once);
+(A swept from 8 to N), and these implementations run the same work, interleaved in one run:
+- moespec: ``moespec.ops.moe_experts`` (the native kernel, each active expert read once; up to 64
+  tokens its streaming schedule);
+- moespec tiled: the same with MOESPEC_MOE_SCHEDULE=tiled (its tiled schedule at every size; the
+  same bits);
 - torch grouped_mm: tokens sorted by expert, ``torch.nn.functional.grouped_mm`` for gate/up and
   down (transformers' default experts implementation);
 - torch loop: a per-expert loop of ``F.linear`` calls (transformers' ``eager`` experts).
 Achieved bandwidth = bytes of the A experts' weights / time, against a plain ``copy_`` of a 1 GiB
 buffer measured in the same run (bytes copied / time). At T = 16 the time against A is fitted by a
-straight line (R^2 printed, drawn into the PNG).
+straight line (R^2 printed, drawn into the PNG). The "default" shape is the default engine's
+(hidden 576, expert 256, 48 experts, top-8). A shape whose experts total less than 512 MB runs over
+enough copies of them, one after another, that no call finds its weights in the caches.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import statistics
 import time
 from pathlib import Path
@@ -31,7 +38,9 @@ from moespec.ops import moe_experts, num_threads
 SHAPES = {  # hidden H, expert intermediate I, experts N, top-k
     "qwen3": (2048, 768, 128, 8),
     "olmoe": (2048, 1024, 64, 8),
+    "default": (576, 256, 48, 8),
 }
+COLD_BYTES = 512 * 2**20  # a shape's experts are repeated up to this many bytes (colder than the caches)
 
 
 def _time(fn, repeats: int, min_seconds: float = 0.05) -> float:
@@ -95,10 +104,15 @@ def torch_loop(x, ids, weights, gate_up, down):
 
 def bench_shape(name: str, tokens: list[int], repeats: int, gen: torch.Generator, progress) -> list[dict]:
     H, I, N, K = SHAPES[name]
-    experts = (torch.randn(N, 3 * I * H, generator=gen) * 0.02).to(torch.bfloat16)  # moespec's layout
-    gate_up = experts[:, : 2 * I * H].reshape(N, 2 * I, H).contiguous()  # transformers' layout
-    down = experts[:, 2 * I * H :].reshape(N, H, I).contiguous()
-    expert_bytes = 3 * I * H * experts.element_size()
+    expert_bytes = 3 * I * H * 2
+    copies = max(1, -(-COLD_BYTES // (N * expert_bytes)))
+    layers = []
+    for _ in range(copies):
+        experts = (torch.randn(N, 3 * I * H, generator=gen) * 0.02).to(torch.bfloat16)  # moespec's layout
+        gate_up = experts[:, : 2 * I * H].reshape(N, 2 * I, H).contiguous()  # transformers' layout
+        down = experts[:, 2 * I * H :].reshape(N, H, I).contiguous()
+        layers.append((experts, gate_up, down))
+    next_layer = itertools.cycle(layers).__next__
     rows = []
     for T in tokens:
         sweep = sorted({a for a in (8, 16, 32, 48, 64, 96, 128) if K <= a <= min(N, T * K)})
@@ -106,9 +120,10 @@ def bench_shape(name: str, tokens: list[int], repeats: int, gen: torch.Generator
             ids, weights = routing(T, K, N, A, gen)
             x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
             impls = {
-                "moespec": lambda: moe_experts(x, ids, weights, experts, I),
-                "grouped_mm": lambda: torch_grouped_mm(x, ids, weights, gate_up, down),
-                "loop": lambda: torch_loop(x, ids, weights, gate_up, down),
+                "moespec": lambda: moe_experts(x, ids, weights, next_layer()[0], I),
+                "tiled": lambda: tiled(lambda: moe_experts(x, ids, weights, next_layer()[0], I)),
+                "grouped_mm": lambda: torch_grouped_mm(x, ids, weights, *next_layer()[1:]),
+                "loop": lambda: torch_loop(x, ids, weights, *next_layer()[1:]),
             }
             times = {k: [] for k in impls}
             for _ in range(3):  # interleave the implementations
@@ -119,6 +134,15 @@ def bench_shape(name: str, tokens: list[int], repeats: int, gen: torch.Generator
             rows.append(row)
             progress.update(1)
     return rows
+
+
+def tiled(fn):
+    """fn() with the kernel's tiled schedule forced (MOESPEC_MOE_SCHEDULE=tiled, read at each call)."""
+    os.environ["MOESPEC_MOE_SCHEDULE"] = "tiled"
+    try:
+        return fn()
+    finally:
+        del os.environ["MOESPEC_MOE_SCHEDULE"]
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
@@ -151,13 +175,14 @@ def main(argv=None) -> None:
     with tqdm(total=total, desc="moe benchmark", leave=False) as progress:
         for name in shapes:
             rows += bench_shape(name, tokens, args.repeats, gen, progress)
-    header = (f"{'shape':<7}{'T':>4}{'active':>8}{'moespec ms':>12}{'GB/s':>8}{'% copy':>8}"
-              f"{'grouped_mm ms':>15}{'loop ms':>10}{'best torch/moespec':>20}")
+    header = (f"{'shape':<8}{'T':>4}{'active':>8}{'moespec ms':>12}{'GB/s':>8}{'% copy':>8}{'tiled ms':>10}"
+              f"{'tiled/moespec':>15}{'grouped_mm ms':>15}{'loop ms':>10}{'best torch/moespec':>20}")
     print(header)
     for r in rows:
         gbs = r["bytes"] / r["moespec"] / 1e9
         best = min(r["grouped_mm"], r["loop"])
-        print(f"{r['shape']:<7}{r['T']:>4}{r['active']:>8}{r['moespec'] * 1e3:>12.2f}{gbs:>8.2f}{100 * gbs / copy:>7.0f}%"
+        print(f"{r['shape']:<8}{r['T']:>4}{r['active']:>8}{r['moespec'] * 1e3:>12.2f}{gbs:>8.2f}"
+              f"{100 * gbs / copy:>7.0f}%{r['tiled'] * 1e3:>10.2f}{r['tiled'] / r['moespec']:>14.2f}x"
               f"{r['grouped_mm'] * 1e3:>15.2f}{r['loop'] * 1e3:>10.2f}{best / r['moespec']:>19.2f}x")
     print()
     fits = {}
