@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -76,9 +77,14 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax over the last dimension (long [...]). ``max(dim).indices`` is documented, as
-    ``argmax`` is, to give the first maximal index, and it is ~5x faster on bf16 CPU logits (0.12
-    against 0.63 ms for 5 x 49,152 here): what every greedy choice of the target goes through."""
+    """The argmax over the last dimension (long [...]), the first maximal index (a NaN counts as the
+    maximum): what every greedy choice of the target goes through. On the CPU the logits, widened
+    exactly to float32, go through numpy's argmax: ~8x faster than torch's ``max(dim).indices`` on a
+    verify pass's bf16 logits (9 x 49,152, one thread: 0.08 against 0.59 ms with the widening), and
+    ``max(dim).indices`` is itself ~5x faster than ``argmax`` there. Elsewhere ``max(dim).indices``
+    (documented, as ``argmax`` is, to give the first maximal index)."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(np.asarray(np.argmax(logits.detach().float().numpy(), axis=-1)))  # (0-d: an array)
     return logits.max(dim=-1).indices
 
 
