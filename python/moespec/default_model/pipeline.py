@@ -79,13 +79,16 @@ class HeadSettings:
 @dataclass(frozen=True)
 class TreeSettings:
     """The engine's default draft tree (SpeculativeConfig's depth, top_k, total_tokens), chosen by
-    measurement (README "Benchmark: the default engine"): with the 1,800-step head, depth 4 / 8 nodes
-    accepts 2.67 tokens a step (depth 2 / 4 nodes: 2.19) at the same or better speed (eagle3 0.79x ar
-    against 0.73x, 3 / 6 nodes 0.76x, 4 / 10 nodes 0.69x; eagle3+budget:16 0.94x)."""
+    measurement (README "Benchmark: the default engine"). 2026-12-04, after the MoE kernel's streaming
+    schedule, two rounds on a 2-core EPYC: depth 3 / 6 nodes accepts 2.56 tokens a step and runs eagle3
+    at 0.96-0.98x ar, eagle3+budget:12 / 16 at 1.16-1.21x / 1.11-1.12x (d logp -0.45 / -0.23), against
+    0.94x, 1.11-1.14x / 0.99-1.01x (-0.52 / -0.29) at depth 4 / 8 nodes (AL 2.81), whose verify passes
+    route to 23 experts a layer against 21; 4 / 10 and 5 / 10 nodes are slower still, 2 / 4 nodes
+    accepts 2.24 (below the 2.5 target) at about 3 / 6's speed."""
 
-    depth: int = 4
+    depth: int = 3
     top_k: int = 4
-    total_tokens: int = 8
+    total_tokens: int = 6
 
 
 @dataclass(frozen=True)
