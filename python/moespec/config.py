@@ -44,7 +44,8 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
 )}
 POLICY_NAMES = tuple(POLICIES)
 POLICY_FORMS = ", ".join(n for n in POLICY_NAMES if not POLICIES[n].budgeted) + ", " + ", ".join(
-    f"{n} (with --budget) or {n}:<max experts>[:truncation]" for n in POLICY_NAMES if POLICIES[n].budgeted)
+    f"{n} (with --budget) or {n}:<max experts>[:truncation][:coverage=<0..1>]" for n in POLICY_NAMES
+    if POLICIES[n].budgeted)
 
 # The draft tree of a SpeculativeConfig when none is given (EAGLE-2's expansion: depth levels,
 # top_k branching, total_tokens nodes kept); engines carry their own (the default engine's:
@@ -69,7 +70,8 @@ def default_policy(*, has_draft: bool, budget: Optional[object] = None) -> str:
 
 
 def parse_policy_text(text: str):
-    """``name`` or ``name:<max experts>[:<budget policy>]`` -> (PolicySpec, ExpertBudget or None)."""
+    """``name`` or ``name:<max experts>[:<budget policy>][:coverage=<tau>]`` -> (PolicySpec, ExpertBudget
+    or None); ``coverage`` is MoE-Spec's probability mode (ExpertBudget.coverage)."""
     from moespec.ops import ExpertBudget
 
     name, _, arg = text.strip().partition(":")
@@ -78,8 +80,17 @@ def parse_policy_text(text: str):
         raise ValueError(f"unknown policy {text!r}: expected {POLICY_FORMS}")
     if not arg:
         return spec, None
-    size, _, mode = arg.partition(":")
+    size, *options = arg.split(":")
+    mode, coverage = "substitution", None
     try:
-        return spec, ExpertBudget(int(size), mode or "substitution")
+        for option in options:
+            key, eq, value = option.partition("=")
+            if eq and key == "coverage":
+                coverage = float(value)
+            elif not eq and option in ("substitution", "truncation"):
+                mode = option
+            else:
+                raise ValueError(f"unknown option {option!r} (expected truncation, substitution or coverage=<0..1>)")
+        return spec, ExpertBudget(int(size), mode, coverage)
     except ValueError as exc:
         raise ValueError(f"policy {text!r}: {exc}") from None

@@ -22,6 +22,8 @@ def test_policies_are_compositions():
     ("ar", "ar", None), (" eagle3 ", "eagle3", None), ("eagle3+budget", "eagle3+budget", None),
     ("eagle3+budget:16", "eagle3+budget", ExpertBudget(16)),
     ("eagle3+budget:12:truncation", "eagle3+budget", ExpertBudget(12, "truncation")),
+    ("eagle3+budget:48:coverage=0.8", "eagle3+budget", ExpertBudget(48, coverage=0.8)),
+    ("eagle3+budget:16:truncation:coverage=0.5", "eagle3+budget", ExpertBudget(16, "truncation", 0.5)),
     ("eco", "eco", None), ("eco+budget:16", "eco+budget", ExpertBudget(16)),
 ])
 def test_parse(text, name, budget):
@@ -32,6 +34,7 @@ def test_parse(text, name, budget):
 @pytest.mark.parametrize("text, match", [
     ("ecospec", "unknown policy 'ecospec'"), ("eagle3:16", "unknown policy 'eagle3:16'"), ("ar:3", "unknown policy"),
     ("eagle3+budget:x", "policy 'eagle3\\+budget:x'"), ("eagle3+budget:16:greedy", "policy 'eagle3\\+budget:16:greedy'"),
+    ("eagle3+budget:16:cov=0.5", "unknown option 'cov=0.5'"), ("eagle3+budget:16:coverage=2", "ExpertBudget.coverage"),
 ])
 def test_bad_policies(text, match):
     with pytest.raises(ValueError, match=match):
@@ -42,7 +45,8 @@ def test_defaults_and_messages():
     assert default_policy(has_draft=False) == "ar" and default_policy(has_draft=True) == "eagle3"
     assert default_policy(has_draft=True, budget=16) == "eagle3+budget"
     assert POLICY_FORMS == ("ar, eagle3, eco, eagle3+budget (with --budget) or eagle3+budget:<max experts>"
-                            "[:truncation], eco+budget (with --budget) or eco+budget:<max experts>[:truncation]")
+                            "[:truncation][:coverage=<0..1>], eco+budget (with --budget) or eco+budget:<max experts>"
+                            "[:truncation][:coverage=<0..1>]")
     with pytest.raises(ValueError, match="expected one of 'ar', 'eagle3', 'eagle3\\+budget', 'eco'"):
         policy_spec("ecospec")
 
