@@ -60,13 +60,13 @@ namespace {
 
 constexpr int64_t kMinRowTile = 16;   // rows per task, at least (a multiple of every ISA's kR)
 constexpr int64_t kMaxRowTile = 1024;
-constexpr int64_t kStreamMaxTokens = 16;  // up to this many tokens, ~2 tasks per thread (row_tile)
+constexpr int64_t kLongRangesMaxTokens = 16;  // up to this many tokens, ~2 tasks per thread (row_tile)
 constexpr int64_t kInlineMacs = 1 << 15;  // below this many multiply-adds, no thread pool
 
 // Rows per task: ~8 tasks per thread for many tokens (compute-bound: balance), ~2 for few (memory-
 // bound: long runs of consecutive bytes per task, as the MoE kernel's streaming schedule).
 int64_t row_tile(int64_t N, int64_t T, int threads) {
-  const int64_t per_thread = T <= kStreamMaxTokens ? 2 : 8;
+  const int64_t per_thread = T <= kLongRangesMaxTokens ? 2 : 8;
   const int64_t want = (N + per_thread * threads - 1) / (per_thread * threads);
   const int64_t tile = (want + kMinRowTile - 1) / kMinRowTile * kMinRowTile;
   return std::clamp(tile, kMinRowTile, kMaxRowTile);

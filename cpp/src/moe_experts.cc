@@ -241,7 +241,6 @@ constexpr int64_t kColTile = 64;  // phase 2: output columns per task
 constexpr int64_t kStreamMaxTokens = 64;  // up to this many tokens a call, the streaming schedule
 constexpr int64_t kStreamRangesPerThread = 2;  // contiguous row ranges per pool thread (some slack for balance)
 constexpr int64_t kStreamAlign = 16;  // ranges start at multiples of this many rows
-constexpr int64_t kTokensOuterAbove = 32;  // the products' tokens-outer threshold (kRowsOuterMaxTokens, ISA files)
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -359,7 +358,7 @@ void stream_rows_task(const Problem& p, int64_t rows_per_expert, int64_t offset,
     // An expert with many tokens is compute-bound: its products run tokens outer, over chunks of
     // kRowTile rows that stay in L2 (one pass over the whole range per token block would stream it
     // from memory again and again); otherwise the range is one rows-outer stream.
-    const int64_t chunk = n_e > kTokensOuterAbove ? kRowTile : b - a;
+    const int64_t chunk = n_e > kMoeRowsOuterMaxTokens ? kRowTile : b - a;
     for (int64_t r = a; r < b; r += chunk) {
       const int64_t rows = std::min(chunk, b - r);
       p.matmul(w + static_cast<std::size_t>((r - a) * K) * p.w_size, K, rows, x, ld_act, tokens, n_e, K,

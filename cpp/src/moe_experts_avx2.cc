@@ -23,7 +23,7 @@ namespace {
 constexpr int kR = 4;   // weight rows per block
 constexpr int kTN = 3;  // activation rows per block: kR x kTN = 12 accumulators (+ 3 activations, 1 weight)
 constexpr int kDecodeRows = 8;  // one token: 8 accumulator chains (the FMA latency hides more loads in flight)
-constexpr int64_t kRowsOuterMaxTokens = 32;  // up to this many tokens, weight rows outer (activations in L2)
+constexpr int64_t kRowsOuterMaxTokens = kMoeRowsOuterMaxTokens;  // (moe_experts_simd.h)
 
 // The lane sums of four vectors, [sum(a), sum(b), sum(c), sum(d)], stored to out[0..3]. Each sum
 // is a fixed tree over its own vector's lanes: ((v0 + v2) + (v1 + v3)) within each 128-bit half,

@@ -26,7 +26,7 @@ namespace {
 constexpr int kR = 4;   // weight rows per block
 constexpr int kTN = 3;  // activation rows per block: 2 x kR x kTN = 24 accumulators (+ 4 weights, 1 activation)
 constexpr int kDecodeRows = kR;  // one token: the same blocks (2 partials already give 8 chains)
-constexpr int64_t kRowsOuterMaxTokens = 32;  // up to this many tokens, weight rows outer (activations in L2)
+constexpr int64_t kRowsOuterMaxTokens = kMoeRowsOuterMaxTokens;  // (moe_experts_simd.h)
 
 // The lane sums of four vectors, [sum(a), sum(b), sum(c), sum(d)], stored to out[0..3]. Each sum
 // is a fixed tree over a's own lanes (no other vector enters it), so a vector's sum does not

@@ -23,6 +23,9 @@ namespace cpu {
 
 // Activation rows are padded with zeros to a multiple of this many elements (the widest step).
 constexpr int64_t kMoeActPad = 32;
+// Up to this many tokens the products run weight rows outer (a row block read from memory once,
+// the activations in L2); above it tokens outer (compute-bound: the weight tile in L2).
+constexpr int64_t kMoeRowsOuterMaxTokens = 32;
 
 // "NT" product, both operands contiguous along K:
 //   c[n * ldc + r] = sum_{k < K} w[r * ldw + k] * act[row_n * ld_act + k]
