@@ -58,6 +58,51 @@ def test_the_plugin_registers_eagle3_classes():
         assert cls.__module__ == "moespec.integrations.vllm.eagle3" and cls.supports_eagle3, arch
 
 
+@pytest.mark.parametrize("state", ["fake_kernel", "modes"])
+def test_onednn_handler_release_outside_traces(state):
+    """vLLM 0.32's CPU oneDNN handler frees its handle in ``__del__`` with ``Tensor.item()``; collected by
+    the garbage collector inside torch.compile's tracing, that failed (and in vLLM's compile warm-up
+    recursed until the worker died). With the plugin loaded a handler dropped inside a fake-tensor
+    kernel (tensors dispatched as Meta through the Python dispatcher: the state the workers crashed
+    in) or under the fake-tensor and refs modes is released at the next release outside, with no error."""
+    import contextlib
+    import sys
+
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._prims.context import TorchRefsMode
+    from torch._subclasses.fake_tensor import FakeTensorMode, in_kernel_invocation_manager
+    from vllm._custom_ops import CPUDNNLGEMMHandler
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    released, errors = [], []
+
+    def handler(value):
+        h = CPUDNNLGEMMHandler()
+        h.handler_tensor, h.dtor = torch.tensor(value, dtype=torch.int64), released.append
+        return h
+
+    fake = FakeTensorMode()
+    inside = contextlib.ExitStack()
+    if state == "fake_kernel":
+        inside.enter_context(enable_python_dispatcher())
+        inside.enter_context(in_kernel_invocation_manager(fake))
+    else:
+        inside.enter_context(fake)
+        inside.enter_context(TorchRefsMode())
+    first, second = handler(7), handler(8)
+    hook, sys.unraisablehook = sys.unraisablehook, errors.append
+    try:
+        with inside:
+            del first  # (its last reference: __del__ runs here, inside the trace)
+            assert released == []
+        del second
+    finally:
+        sys.unraisablehook = hook
+    assert not errors, errors[0].exc_value
+    assert sorted(released) == [7, 8]
+
+
 @pytest.fixture(scope="module")
 def qwen2_folder(tmp_path_factory):
     """A tiny random Qwen2-MoE (a sigmoid-gated shared expert, no q/k/v biases: vLLM builds them anyway

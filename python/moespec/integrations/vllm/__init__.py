@@ -3,7 +3,8 @@ vLLM calls :func:`register` in every process it starts).
 
 - EAGLE-3 for the MoE families vLLM 0.32 lacks it for (Mixtral, Qwen2-MoE, OLMoE;
   :mod:`moespec.integrations.vllm.eagle3`), so moespec's engines and heads serve as they are;
-- MoE-Spec's expert budget on verify passes (``MOESPEC_BUDGET``; :mod:`moespec.integrations.vllm.budget`).
+- MoE-Spec's expert budget on verify passes (``MOESPEC_BUDGET``; :mod:`moespec.integrations.vllm.budget`);
+- guards for vLLM bugs its use runs into (:mod:`moespec.integrations.vllm.compat`).
 
 Nothing here is imported by the core package; this module imports vLLM only inside functions.
 """
@@ -30,12 +31,14 @@ def eagle3_class(architecture: str) -> type:
 
 
 def register() -> None:
-    """The vLLM plugin entry point: registers the EAGLE-3 classes (idempotent; vLLM may call it in
-    several processes)."""
+    """The vLLM plugin entry point: registers the EAGLE-3 classes, the budget hooks and the guards
+    (idempotent; vLLM may call it in several processes)."""
     from vllm import ModelRegistry
 
     from moespec.integrations.vllm.budget import budget_from_env, install
+    from moespec.integrations.vllm.compat import guard_onednn_handler_release
 
+    guard_onednn_handler_release()  # (compiled models on vLLM's CPU build)
     budget = budget_from_env()  # a malformed MOESPEC_BUDGET fails here, when vLLM loads the plugin
     for arch in EAGLE3_FAMILIES:
         ModelRegistry.register_model(arch, f"moespec.integrations.vllm.models:{arch}")
