@@ -260,7 +260,19 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
   const DecoderShape& s = c.s;
   const int64_t D = s.head_dim, Hq = s.num_heads, Hkv = s.num_kv_heads, G = Hq / Hkv;
   const int64_t first = geo.offsets[b], start = geo.start[b];
-  const int64_t S = start + geo.span[b];  // slots [0, S) of this request: committed + the call's
+  // Slots [0, S): the committed prefix and the call's slots up to the last one a row of the task
+  // sees (a prompt's causal mask: the task's last token; later slots are masked for every row, and
+  // a masked slot adds exactly 0 to the softmax sum and to the output: the same bits either way).
+  int64_t seen = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint32_t* bits = geo.mask + (first + t) * geo.W;
+    for (int64_t w = geo.W - 1; w >= 0; --w)
+      if (bits[w] != 0) {
+        seen = std::max<int64_t>(seen, 32 * w + 32 - __builtin_clz(bits[w]));
+        break;
+      }
+  }
+  const int64_t S = start + std::max<int64_t>(std::min<int64_t>(seen, geo.span[b]), start > 0 ? 0 : 1);
   const int64_t rows = (t1 - t0) * G;
   const int64_t Dp = round_up(D, kMoeActPad);
   const std::size_t w_size = dtype_size(c.dtype);
@@ -327,6 +339,23 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
 }
 
 constexpr int64_t kAttendChunk = 8;  // tokens per attention task
+
+// fn(p0, p1) over the rows [0, P): from kParallelRowsMin rows on (a prompt) on the pool, in blocks of
+// kRowBlock rows; below it inline (a decode or verify step: waking the pool costs more than its
+// rows). Every row is computed by the same code either way (the same bits).
+constexpr int64_t kParallelRowsMin = 32;
+constexpr int64_t kRowBlock = 16;
+
+template <typename F>
+void for_rows(int64_t P, F&& fn) {
+  if (P < kParallelRowsMin) {
+    fn(int64_t{0}, P);
+    return;
+  }
+  ThreadPool::instance().parallel_for((P + kRowBlock - 1) / kRowBlock, [&](int64_t i) {
+    fn(i * kRowBlock, std::min(P, (i + 1) * kRowBlock));
+  });
+}
 
 // Adds the time since the last mark to one phase (when profiling).
 class PhaseClock {
@@ -554,13 +583,17 @@ void DecoderModel::step(const DecoderStepArgs& a) {
     // attention
     const LayerNorms& norms = norms_[static_cast<std::size_t>(li)];
     if (l.embed_norm.defined()) {  // EAGLE-3: q/k/v from cat(embed_norm(e), input_norm(x)) [P, 2H]
-      for (int64_t p = 0; p < P; ++p) {
-        rms_norm(e + p * H, H, norms.embed.data(), s.rms_norm_eps, r, h + p * 2 * H);
-        rms_norm(x + p * H, H, norms.input.data(), s.rms_norm_eps, r, h + p * 2 * H + H);
-        if (s.norm_before_residual) std::memcpy(x + p * H, h + p * 2 * H + H, static_cast<std::size_t>(H) * 4);
-      }
+      for_rows(P, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+          rms_norm(e + p * H, H, norms.embed.data(), s.rms_norm_eps, r, h + p * 2 * H);
+          rms_norm(x + p * H, H, norms.input.data(), s.rms_norm_eps, r, h + p * 2 * H + H);
+          if (s.norm_before_residual) std::memcpy(x + p * H, h + p * 2 * H + H, static_cast<std::size_t>(H) * 4);
+        }
+      });
     } else {
-      for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, norms.input.data(), s.rms_norm_eps, r, h + p * H);
+      for_rows(P, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) rms_norm(x + p * H, H, norms.input.data(), s.rms_norm_eps, r, h + p * H);
+      });
     }
     clock.mark(kNorm);
     const int64_t Nqkv = Nq + 2 * Nkv;
@@ -568,43 +601,45 @@ void DecoderModel::step(const DecoderStepArgs& a) {
     clock.mark(kQkv);
     char* k_layer = static_cast<char*>(a.k_cache.data) + li * layer_elems * w_size;
     char* v_layer = static_cast<char*>(a.v_cache.data) + li * layer_elems * w_size;
-    for (int64_t p = 0; p < P; ++p) {
-      float* qp = y + p * Nqkv;
-      float* kp = qp + Nq;
-      float* vp = kp + Nkv;
-      if (s.qk_norm == QkNorm::kFull) {
-        rms_norm(qp, Nq, norms.q.data(), s.rms_norm_eps, r, qp);
-        rms_norm(kp, Nkv, norms.k.data(), s.rms_norm_eps, r, kp);
-      }
-      if (s.clip_qkv > 0.0f)
-        for (int64_t i = 0; i < Nqkv; ++i) qp[i] = std::clamp(qp[i], -s.clip_qkv, s.clip_qkv);
-      if (s.qk_norm == QkNorm::kPerHead) {
-        for (int64_t hh = 0; hh < Hq; ++hh) rms_norm(qp + hh * D, D, norms.q.data(), s.rms_norm_eps, r, qp + hh * D);
-        for (int64_t hh = 0; hh < Hkv; ++hh) rms_norm(kp + hh * D, D, norms.k.data(), s.rms_norm_eps, r, kp + hh * D);
-      }
-      // rope: x * cos + rotate_half(x) * sin, each product and the sum rounded
-      const int64_t half = D / 2;
-      float rot[kMaxHeadDim];
-      auto rope = [&](float* v) {
-        for (int64_t d = 0; d < D; ++d) rot[d] = d < half ? -v[d + half] : v[d - half];
-        for (int64_t d = 0; d < D; ++d) {
-          const float cs = cos_v[p * D + d], sn = sin_v[p * D + d];
-          v[d] = r(r(v[d] * cs) + r(rot[d] * sn));
+    for_rows(P, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        float* qp = y + p * Nqkv;
+        float* kp = qp + Nq;
+        float* vp = kp + Nkv;
+        if (s.qk_norm == QkNorm::kFull) {
+          rms_norm(qp, Nq, norms.q.data(), s.rms_norm_eps, r, qp);
+          rms_norm(kp, Nkv, norms.k.data(), s.rms_norm_eps, r, kp);
         }
-      };
-      for (int64_t hh = 0; hh < Hq; ++hh) rope(qp + hh * D);
-      for (int64_t hh = 0; hh < Hkv; ++hh) rope(kp + hh * D);
-      std::memcpy(q + p * Nq, qp, static_cast<std::size_t>(Nq) * 4);
-      const int64_t b = row_req[p];
-      const int64_t slot = row_slot[p];
-      for (int64_t g = 0; g < Hkv; ++g) {
-        const std::size_t at = static_cast<std::size_t>(((b * Hkv + g) * S_max + slot) * D);
-        for (int64_t d = 0; d < D; ++d) {
-          store(k_layer, dtype_, static_cast<int64_t>(at) + d, kp[g * D + d]);
-          store(v_layer, dtype_, static_cast<int64_t>(at) + d, vp[g * D + d]);
+        if (s.clip_qkv > 0.0f)
+          for (int64_t i = 0; i < Nqkv; ++i) qp[i] = std::clamp(qp[i], -s.clip_qkv, s.clip_qkv);
+        if (s.qk_norm == QkNorm::kPerHead) {
+          for (int64_t hh = 0; hh < Hq; ++hh) rms_norm(qp + hh * D, D, norms.q.data(), s.rms_norm_eps, r, qp + hh * D);
+          for (int64_t hh = 0; hh < Hkv; ++hh) rms_norm(kp + hh * D, D, norms.k.data(), s.rms_norm_eps, r, kp + hh * D);
+        }
+        // rope: x * cos + rotate_half(x) * sin, each product and the sum rounded
+        const int64_t half = D / 2;
+        float rot[kMaxHeadDim];
+        auto rope = [&](float* v) {
+          for (int64_t d = 0; d < D; ++d) rot[d] = d < half ? -v[d + half] : v[d - half];
+          for (int64_t d = 0; d < D; ++d) {
+            const float cs = cos_v[p * D + d], sn = sin_v[p * D + d];
+            v[d] = r(r(v[d] * cs) + r(rot[d] * sn));
+          }
+        };
+        for (int64_t hh = 0; hh < Hq; ++hh) rope(qp + hh * D);
+        for (int64_t hh = 0; hh < Hkv; ++hh) rope(kp + hh * D);
+        std::memcpy(q + p * Nq, qp, static_cast<std::size_t>(Nq) * 4);
+        const int64_t b = row_req[p];
+        const int64_t slot = row_slot[p];
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const std::size_t at = static_cast<std::size_t>(((b * Hkv + g) * S_max + slot) * D);
+          for (int64_t d = 0; d < D; ++d) {
+            store(k_layer, dtype_, static_cast<int64_t>(at) + d, kp[g * D + d]);
+            store(v_layer, dtype_, static_cast<int64_t>(at) + d, vp[g * D + d]);
+          }
         }
       }
-    }
+    });
     clock.mark(kRope);
     pool.parallel_for(static_cast<int64_t>(attend_tasks.size()), [&](int64_t i) {
       const auto& t = attend_tasks[static_cast<std::size_t>(i)];
@@ -613,10 +648,11 @@ void DecoderModel::step(const DecoderStepArgs& a) {
     clock.mark(kAttend);
     project(c, l.o, l.o_bias, o, P, act, y);
     clock.mark(kOProj);
-    for (int64_t i = 0; i < P * H; ++i) x[i] = r(x[i] + y[i]);
-
-    // feed-forward
-    for (int64_t p = 0; p < P; ++p) rms_norm(x + p * H, H, norms.post.data(), s.rms_norm_eps, r, h + p * H);
+    // the residual, then the feed-forward's norm
+    for_rows(P, [&](int64_t p0, int64_t p1) {
+      for (int64_t i = p0 * H; i < p1 * H; ++i) x[i] = r(x[i] + y[i]);
+      for (int64_t p = p0; p < p1; ++p) rms_norm(x + p * H, H, norms.post.data(), s.rms_norm_eps, r, h + p * H);
+    });
     clock.mark(kNorm);
     if (l.router.defined()) {
       const int64_t E = s.num_experts, K = s.router.top_k;
@@ -703,7 +739,9 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       project(c, l.down, TensorView{}, inner, P, act, mlp);
       clock.mark(kDense);
     }
-    for (int64_t i = 0; i < P * H; ++i) x[i] = r(x[i] + mlp[i]);
+    for_rows(P, [&](int64_t p0, int64_t p1) {
+      for (int64_t i = p0 * H; i < p1 * H; ++i) x[i] = r(x[i] + mlp[i]);
+    });
     for (int64_t t = 0; t < n_taps; ++t)
       if (taps[t] == li)
         for (int64_t i = 0; i < P * H; ++i) store(a.tap_out.data, dtype_, t * P * H + i, x[i]);
@@ -719,7 +757,8 @@ void DecoderModel::step(const DecoderStepArgs& a) {
     project(c, lm_head_, TensorView{}, h, R, act, logits);
     for (int64_t i = 0; i < R * s.vocab; ++i) store(a.logits.data, dtype_, i, logits[i]);
   }
-  clock.mark(kHead);  release_if_large(ws.x, ws.h, ws.y, ws.q, ws.o, ws.mlp, ws.inner, ws.logits_f32, ws.act, ws.bits, ws.bits_out,
+  clock.mark(kHead);
+  release_if_large(ws.x, ws.h, ws.y, ws.q, ws.o, ws.mlp, ws.inner, ws.logits_f32, ws.act, ws.bits, ws.bits_out,
                    ws.ids, ws.weights, ws.active, ws.trace_active, ws.row_req, ws.row_slot, ws.span, ws.e, ws.cos,
                    ws.sin);
 }

@@ -149,6 +149,34 @@ def test_a_request_does_not_depend_on_its_batch(pairs, dtype):
         assert torch.equal(out.hidden[0][0], together.hidden[0][b, : len(tree)])
 
 
+def test_long_prompts_do_not_depend_on_their_batch_or_the_threads(pairs):
+    """Prompts long enough for the step's row-parallel loops (32 rows and more) and several attention
+    tasks per request, each of which reads only the slots its rows see: a batch's prefill and the
+    verify after it give each request the bits it gets alone, and the same bits on one native thread
+    and on three."""
+    from moespec.ops import num_threads, set_num_threads
+
+    native, _ = pairs["qwen2_moe", "bf16"]
+    prompts = [_prompt(40, 11), _prompt(70, 12), _prompt(3, 13)]
+    trees = [([7, 8, 9], [-1, 0, 1]), ([10, 11], [-1, 0]), ([12], [-1])]
+    saved, runs = num_threads(), []
+    try:
+        for threads in (1, 3):
+            set_num_threads(threads)
+            cache = native.new_cache(3, 96)
+            first = native.prefill(cache, prompts, logits="all")
+            together = native.verify(cache, [t for t, _ in trees], [p for _, p in trees])
+            for b, (tree, parents) in enumerate(trees):
+                alone = native.new_cache(1, 96)
+                n = len(prompts[b])
+                assert torch.equal(native.prefill(alone, [prompts[b]], logits="all").logits[0], first.logits[b, :n])
+                assert torch.equal(native.verify(alone, [tree], [parents]).logits[0], together.logits[b, : len(tree)])
+            runs.append((first.logits, together.logits))
+    finally:
+        set_num_threads(saved)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("policy", ["substitution", "truncation"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_budgeted_verify_matches_the_reference(family, policy, pairs):
