@@ -174,6 +174,31 @@ def test_forward_matches_reference(target, norm_first, native_step):
     assert calls.count == (2 if native_step else 0)
 
 
+@pytest.mark.parametrize("native_step", [True, False], ids=["native", "torch"])
+def test_last_only_gives_the_last_entries_logits(target, native_step):
+    """A catch-up's forward computes the logits of each request's last entry only: those of the full
+    forward (the same bits on the native step, whose rows are independent), and the same hidden states;
+    a request without entries gets a row the caller ignores."""
+    w = _weights()
+    head = _head(target, w, native_step)
+    num = [7, 0, 4]
+    B, T = len(num), max(num)
+    tokens, feats = _tokens(B, T), _features(B, T)
+    outs = []
+    for last_only in (False, True):
+        cache = head.new_cache(B, 11)
+        step = cache.append_inputs(num)
+        outs.append(head(cache, tokens, feats, positions=step.positions, slots=step.slots, visible=step.visible,
+                         last_only=last_only))
+    full, last = outs
+    assert last.logits.shape == (B, 1, VD) and torch.equal(last.hidden, full.hidden)
+    for b, n in enumerate(num):
+        if n:
+            if native_step:
+                assert torch.equal(last.logits[b, 0], full.logits[b, n - 1])
+            _close(last.logits[b, 0], full.logits[b, n - 1], f"logits {b}")
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_native_step_matches_torch_ops_in_bf16(target, seed):
     """bf16: the native step rounds where the torch ops round; attention sums in another order, so

@@ -311,7 +311,7 @@ class Eagle3Head(nn.Module):
 
     @torch.inference_mode()
     def forward(self, cache: DraftCache, tokens: torch.Tensor, hidden: Features, *, positions: torch.Tensor,
-                slots: torch.Tensor, visible: torch.Tensor) -> DraftOutput:
+                slots: torch.Tensor, visible: torch.Tensor, last_only: bool = False) -> DraftOutput:
         """Runs T new entries per request through the head over its cache (catch-up and expansion).
         Inference mode (no autograd); training goes through :meth:`ttt_forward`.
 
@@ -336,6 +336,10 @@ class Eagle3Head(nn.Module):
             stream) and its entry is not written.
         visible : bool [B, T, S], S <= S_max
             Which cache slots each entry attends. A row with no visible slot sees slot 0 (padding).
+        last_only : bool
+            Logits of each request's last real entry only (its last with slot >= 0; a catch-up reads
+            no other): ``logits`` [B, 1, Vd], undefined values for a request without one. The lm_head
+            over a prompt's every entry was most of a prompt catch-up.
 
         Returns
         -------
@@ -358,7 +362,7 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"forward: slot {int(slots.max())} is outside the cache (max_len={cache.max_len})")
         h = self._features(hidden, allow_own=True)
         if self.native_step and cache.k.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-            out = self._native_forward(cache, tokens, h, positions, slots, visible)
+            out = self._native_forward(cache, tokens, h, positions, slots, visible, last_only)
             if out is not None:
                 return out
         residual, x = self._inputs(tokens, h)
@@ -374,6 +378,10 @@ class Eagle3Head(nn.Module):
         o = F.scaled_dot_product_attention(q, cache.k[:, :, :S], cache.v[:, :, :S], attn_mask=mask[:, None],
                                            scale=c.head_dim ** -0.5, enable_gqa=c.num_heads != c.num_kv_heads)
         out = self._finish(residual, o)  # [B, T, H]
+        if last_only:
+            last = ((slots >= 0).sum(1) - 1).clamp_min(0)  # [B]
+            rows = torch.arange(B, device=out.device)
+            return DraftOutput(logits=self.logits(out[rows, last])[:, None], hidden=out)
         return DraftOutput(logits=self.logits(out), hidden=out)
 
     def ttt_forward(self, tokens: torch.Tensor, features: Features, steps: int) -> list[DraftOutput]:
@@ -502,7 +510,7 @@ class Eagle3Head(nn.Module):
         return self._native[1], self._native[2]
 
     def _native_forward(self, cache: DraftCache, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
-                        slots: torch.Tensor, visible: torch.Tensor) -> Optional[DraftOutput]:
+                        slots: torch.Tensor, visible: torch.Tensor, last_only: bool) -> Optional[DraftOutput]:
         """:meth:`forward` in one native call over the packed entries (padding, slot -1, skipped), or None
         when ``visible`` is not of the native step's form: each entry sees its request's whole accepted
         prefix [0, lengths[b]), slots past it by a bit mask, and at least one slot."""
@@ -543,20 +551,27 @@ class Eagle3Head(nn.Module):
         embed = self.embed.index_select(0, packed(tokens))  # [P, H]
         cos, sin = rope.lookup(packed(positions))
         rel = (packed(slots) - start_rows).to(torch.int32)
-        logit_rows = torch.arange(P, dtype=torch.int32)
-        logits = torch.empty(P, self.config.draft_vocab_size, dtype=self.dtype)
+        if last_only:  # each request's last packed entry (any row for one without entries)
+            logit_rows = (offsets[1:] - 1).clamp_min(0)
+        else:
+            logit_rows = torch.arange(P, dtype=torch.int32)
+        logits = torch.empty(logit_rows.shape[0], self.config.draft_vocab_size, dtype=self.dtype)
         start32 = start.to(torch.int32)  # (locals: alive while the native call reads them)
         decoder.step(view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k.unsqueeze(0), "k_cache"),
                      view(cache.v.unsqueeze(0), "v_cache"), view(offsets, "offsets"),
                      view(start32, "start"), view(words, "mask"), None, None,
                      view(logit_rows, "logit_rows"), view(logits, "logits"), None, 0, 0, 0.0,
                      slots=view(rel, "slots"), embed=view(embed, "embed"))
+        if last_only:
+            out_logits = logits.float()[:, None]  # [B, 1, Vd]
         if P == B * T:
-            return DraftOutput(logits=logits.float().view(B, T, -1), hidden=x.view(B, T, -1))
-        out_logits = logits.new_zeros(B, T, logits.shape[-1], dtype=torch.float32)
+            return DraftOutput(logits=out_logits if last_only else logits.float().view(B, T, -1),
+                               hidden=x.view(B, T, -1))
         out_hidden = x.new_zeros(B, T, x.shape[-1])
-        out_logits[rows, cols] = logits.float()
         out_hidden[rows, cols] = x
+        if not last_only:
+            out_logits = logits.new_zeros(B, T, logits.shape[-1], dtype=torch.float32)
+            out_logits[rows, cols] = logits.float()
         return DraftOutput(logits=out_logits, hidden=out_hidden)
 
     def _chain_attention(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

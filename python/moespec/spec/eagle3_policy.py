@@ -126,11 +126,12 @@ class Eagle3Policy:
         dev = self.target.device
         tokens = to_device([t + [0] * (T - len(t)) for t in next_tokens], dev)  # [B, T]
         step = dc.append_inputs(num)
-        out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible)
+        out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible,
+                        last_only=True)
         dc.advance(num)
         last = to_device([max(n - 1, 0) for n in num], dev)
         rows = torch.arange(len(num), device=dev)
-        logits, hidden = out.logits[rows, last], out.hidden[rows, last]  # [B, Vd], [B, H]
+        logits, hidden = out.logits[:, 0], out.hidden[rows, last]  # [B, Vd], [B, H]
         keep = to_device([n > 0 for n in num], dev)[:, None]
         if "draft_logits" in run.extra:  # requests without new entries keep their previous output
             logits = torch.where(keep, logits, run.extra["draft_logits"])
