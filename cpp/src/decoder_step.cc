@@ -51,13 +51,25 @@ struct Rounder {
   float operator()(float v) const { return bf16 ? detail::bf16_to_float(detail::float_to_bf16(v)) : v; }
 };
 
-float load(const TensorView& t, int64_t i) {
-  return t.dtype == DType::kBFloat16 ? detail::bf16_to_float(t.ptr<const uint16_t>()[i]) : t.ptr<const float>()[i];
+// n values into base[i, i + n) (the dtype tested once: the loops vectorise).
+void store_values(void* base, DType dtype, int64_t i, const float* v, int64_t n) {
+  if (dtype == DType::kBFloat16) {
+    uint16_t* dst = static_cast<uint16_t*>(base) + i;
+    for (int64_t j = 0; j < n; ++j) dst[j] = detail::float_to_bf16(v[j]);
+  } else {
+    std::memcpy(static_cast<float*>(base) + i, v, static_cast<std::size_t>(n) * 4);
+  }
 }
 
-void store(void* base, DType dtype, int64_t i, float v) {
-  if (dtype == DType::kBFloat16) static_cast<uint16_t*>(base)[i] = detail::float_to_bf16(v);
-  else static_cast<float*>(base)[i] = v;
+// n values from t's elements [i, i + n) as fp32.
+void load_values(const TensorView& t, int64_t i, float* v, int64_t n) {
+  if (n == 0) return;
+  if (t.dtype == DType::kBFloat16) {
+    const uint16_t* src = t.ptr<const uint16_t>() + i;
+    for (int64_t j = 0; j < n; ++j) v[j] = detail::bf16_to_float(src[j]);
+  } else {
+    std::memcpy(v, t.ptr<const float>() + i, static_cast<std::size_t>(n) * 4);
+  }
 }
 
 float silu(float g) { return g / (1.0f + std::exp(-g)); }
@@ -65,8 +77,16 @@ float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
 
 // transformers' RMSNorm over n values: normalise in fp32, round to the model dtype, then scale.
 void rms_norm(const float* x, int64_t n, const float* w, float eps, Rounder r, float* out) {
-  float ss = 0.0f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  // the squares in 16 partial sums (element i into sum i % 16), added pairwise: 16 independent
+  // chains (vectorised) where one in-order sum was most of a norm's time
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += x[i + l] * x[i + l];
+  for (int l = 0; i < n; ++i, ++l) part[l] += x[i] * x[i];
+  for (int half = 8; half >= 1; half /= 2)
+    for (int l = 0; l < half; ++l) part[l] += part[l + half];
+  const float ss = part[0];
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = r(w[i] * r(x[i] * inv));
 }
@@ -74,7 +94,7 @@ void rms_norm(const float* x, int64_t n, const float* w, float eps, Rounder r, f
 // A weight vector's values as fp32 (norm weights, read for every token).
 std::vector<float> values(const TensorView& t) {
   std::vector<float> out(static_cast<std::size_t>(t.defined() ? t.numel() : 0));
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = load(t, static_cast<int64_t>(i));
+  load_values(t, 0, out.data(), static_cast<int64_t>(out.size()));
   return out;
 }
 
@@ -314,16 +334,19 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
     for (int64_t hg = 0; hg < G; ++hg) {
       const int64_t n = (t - t0) * G + hg;
       float* row = sc + n * S;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < start; ++j) {  // the committed prefix: all visible
-        row[j] *= scale;
-        m = std::max(m, row[j]);
-      }
+      for (int64_t j = 0; j < start; ++j) row[j] *= scale;  // the committed prefix: all visible
       for (int64_t j = start; j < S; ++j) {  // the call's slots: by the mask
         const bool visible = (bits[(j - start) >> 5] >> ((j - start) & 31)) & 1u;
         row[j] = visible ? row[j] * scale : -std::numeric_limits<float>::infinity();
-        m = std::max(m, row[j]);
       }
+      // the maximum in 8 partial maxima (exact in any order; 8 chains instead of one)
+      float part[8];
+      std::fill_n(part, 8, -std::numeric_limits<float>::infinity());
+      int64_t j = 0;
+      for (; j + 8 <= S; j += 8)
+        for (int l = 0; l < 8; ++l) part[l] = std::max(part[l], row[j + l]);
+      for (int l = 0; j < S; ++j, ++l) part[l] = std::max(part[l], row[j]);
+      const float m = std::max({part[0], part[1], part[2], part[3], part[4], part[5], part[6], part[7]});
       inv_sum[static_cast<std::size_t>(n)] = 1.0f / c.k.exp_sum(row, S, m);
     }
   }
@@ -338,7 +361,7 @@ void attend(const Ctx& c, const Geometry& geo, const void* k_layer, const void* 
     }  release_if_large(qv, scores, acc, act, kv, inv_sum);
 }
 
-constexpr int64_t kAttendChunk = 8;  // tokens per attention task
+constexpr int64_t kAttendChunk = 8;  // tokens per attention task (at most)
 
 // fn(p0, p1) over the rows [0, P): from kParallelRowsMin rows on (a prompt) on the pool, in blocks of
 // kRowBlock rows; below it inline (a decode or verify step: waking the pool costs more than its
@@ -545,10 +568,11 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   float* mlp = ws.mlp.get<float>(P * H);
   float* inner = ws.inner.get<float>(P * widest_in);
   char* act = ws.act.get<char>(static_cast<int64_t>(staged_row_bytes(c.k, DType::kFloat32, widest_in)) * P);
-  for (int64_t i = 0; i < P * H; ++i) x[i] = load(a.x, i);
+  load_values(a.x, 0, x, P * H);
   float* cos_v = ws.cos.get<float>(P * D);
   float* sin_v = ws.sin.get<float>(P * D);
-  for (int64_t i = 0; i < P * D; ++i) cos_v[i] = load(a.cos, i), sin_v[i] = load(a.sin, i);
+  load_values(a.cos, 0, cos_v, P * D);
+  load_values(a.sin, 0, sin_v, P * D);
   int32_t* row_req = ws.row_req.get<int32_t>(P);
   int32_t* row_slot = ws.row_slot.get<int32_t>(P);  // cache slot of each row
   int32_t* span = ws.span.get<int32_t>(B);
@@ -563,7 +587,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   }
   float* e = embed_input_ ? ws.e.get<float>(P * H) : nullptr;
   if (e != nullptr)
-    for (int64_t i = 0; i < P * H; ++i) e[i] = load(a.embed, i);
+    load_values(a.embed, 0, e, P * H);
 
   const Geometry geo{offsets, start, span, reinterpret_cast<const uint32_t*>(a.mask.data), W, B, S_max};
   const std::size_t w_size = dtype_size(dtype_);
@@ -571,10 +595,17 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   ThreadPool& pool = ThreadPool::instance();
   std::vector<std::array<int64_t, 4>>& attend_tasks = ws.attend_tasks;  // (request, kv head, t0, t1)
   attend_tasks.clear();  // keeps its capacity: a warm step allocates nothing
-  for (int64_t b = 0; b < B; ++b)
+  // Tokens per task: kAttendChunk, or fewer where the (request, kv head) pairs alone would leave
+  // a thread idle (a verify of 7 tokens with 3 kv heads: 6 tasks for 2 threads, not 3). A row's
+  // values do not depend on its task.
+  const int64_t pairs = B * Hkv, wanted = 2 * static_cast<int64_t>(pool.num_threads());
+  const int64_t per_pair = std::max<int64_t>(1, (wanted + pairs - 1) / pairs);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = offsets[b + 1] - offsets[b];
+    const int64_t chunk = std::clamp<int64_t>((n + per_pair - 1) / per_pair, 1, kAttendChunk);
     for (int64_t g = 0; g < Hkv; ++g)
-      for (int64_t t0 = 0; t0 < offsets[b + 1] - offsets[b]; t0 += kAttendChunk)
-        attend_tasks.push_back({b, g, t0, std::min<int64_t>(t0 + kAttendChunk, offsets[b + 1] - offsets[b])});
+      for (int64_t t0 = 0; t0 < n; t0 += chunk) attend_tasks.push_back({b, g, t0, std::min<int64_t>(t0 + chunk, n)});
+  }
 
   int64_t moe_index = 0;
   PhaseClock clock(profiling_, phase_seconds_);
@@ -633,10 +664,8 @@ void DecoderModel::step(const DecoderStepArgs& a) {
         const int64_t slot = row_slot[p];
         for (int64_t g = 0; g < Hkv; ++g) {
           const std::size_t at = static_cast<std::size_t>(((b * Hkv + g) * S_max + slot) * D);
-          for (int64_t d = 0; d < D; ++d) {
-            store(k_layer, dtype_, static_cast<int64_t>(at) + d, kp[g * D + d]);
-            store(v_layer, dtype_, static_cast<int64_t>(at) + d, vp[g * D + d]);
-          }
+          store_values(k_layer, dtype_, static_cast<int64_t>(at), kp + g * D, D);
+          store_values(v_layer, dtype_, static_cast<int64_t>(at), vp + g * D, D);
         }
       }
     });
@@ -743,11 +772,10 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       for (int64_t i = p0 * H; i < p1 * H; ++i) x[i] = r(x[i] + mlp[i]);
     });
     for (int64_t t = 0; t < n_taps; ++t)
-      if (taps[t] == li)
-        for (int64_t i = 0; i < P * H; ++i) store(a.tap_out.data, dtype_, t * P * H + i, x[i]);
+      if (taps[t] == li) store_values(a.tap_out.data, dtype_, t * P * H, x, P * H);
     clock.mark(kNorm);
   }
-  for (int64_t i = 0; i < P * H; ++i) store(a.x.data, dtype_, i, x[i]);
+  store_values(a.x.data, dtype_, 0, x, P * H);
 
   // logits of the chosen rows
   for (int64_t i = 0; i < R; ++i)
@@ -755,7 +783,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   float* logits = ws.logits_f32.get<float>(R * s.vocab);
   if (R > 0) {
     project(c, lm_head_, TensorView{}, h, R, act, logits);
-    for (int64_t i = 0; i < R * s.vocab; ++i) store(a.logits.data, dtype_, i, logits[i]);
+    store_values(a.logits.data, dtype_, 0, logits, R * s.vocab);
   }
   clock.mark(kHead);
   release_if_large(ws.x, ws.h, ws.y, ws.q, ws.o, ws.mlp, ws.inner, ws.logits_f32, ws.act, ws.bits, ws.bits_out,

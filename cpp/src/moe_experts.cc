@@ -158,12 +158,12 @@ void accumulate_nn(const void* w, int64_t ldw, int64_t S, int64_t N, const float
 }
 
 float exp_sum(float* x, int64_t n, float shift) {
-  float sum = 0.0f;
+  NonzeroSum sum;
   for (int64_t i = 0; i < n; ++i) {
     x[i] = std::isinf(x[i]) && x[i] < 0 ? 0.0f : std::exp(x[i] - shift);
-    sum += x[i];
+    sum.add(x[i]);
   }
-  return sum;
+  return sum.total();
 }
 
 void activate(ExpertActivation activation, float limit, float alpha, const float* g, const float* u, int64_t n,

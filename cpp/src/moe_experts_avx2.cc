@@ -239,9 +239,35 @@ float exp_sum(float* x, int64_t n, float shift) {
     _mm256_storeu_ps(tmp, _mm256_andnot_ps(_mm256_cmp_ps(v, neg_inf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, s))));
     for (int64_t j = 0; i + j < n; ++j) x[i + j] = tmp[j];
   }
-  float sum = 0.0f;  // in index order, so that zeros (masked slots) anywhere leave it unchanged
-  for (int64_t j = 0; j < n; ++j) sum += x[j];
-  return sum;
+  // NonzeroSum's order with the lanes in one vector: a block of 8 nonzero terms adds to them at
+  // once (rotated by the count so far: lane l takes the block's term (l - count) % 8), a block with
+  // a zero term by term into lane count % 8 (the other lanes add +0: unchanged).
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), seven = _mm256_set1_epi32(7);
+  __m256 lanes = zero;
+  int64_t count = 0;
+  auto one = [&](float v) {
+    const __m256i lane = _mm256_set1_epi32(static_cast<int>(count & 7));
+    const __m256 at = _mm256_castsi256_ps(_mm256_cmpeq_epi32(iota, lane));
+    lanes = _mm256_add_ps(lanes, _mm256_and_ps(_mm256_set1_ps(v), at));
+    count += v != 0.0f;
+  };
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ)) == 0) {
+      const __m256i shift_by = _mm256_set1_epi32(static_cast<int>(count & 7));
+      const __m256i from = _mm256_and_si256(_mm256_sub_epi32(iota, shift_by), seven);
+      lanes = _mm256_add_ps(lanes, _mm256_permutevar8x32_ps(v, from));
+      count += 8;
+    } else {
+      for (int64_t t = 0; t < 8; ++t) one(x[j + t]);
+    }
+  }
+  for (; j < n; ++j) one(x[j]);
+  NonzeroSum sum;
+  _mm256_storeu_ps(sum.lane, lanes);
+  return sum.total();
 }
 
 void activate(ExpertActivation activation, float limit, float alpha, const float* g, const float* u, int64_t n,
@@ -267,17 +293,8 @@ void activate(ExpertActivation activation, float limit, float alpha, const float
   }
 }
 
-void accumulate_nn_f32(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda, int64_t n_tok,
-                       float* c, int64_t ldc) {
-  accumulate_nn<float>(w, ldw, S, N, a, lda, n_tok, c, ldc);
-}
-void accumulate_nn_bf16(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda,
-                        int64_t n_tok, float* c, int64_t ldc) {
-  accumulate_nn<uint16_t>(w, ldw, S, N, a, lda, n_tok, c, ldc);
-}
-
-const MoeExpertKernels kMoeExperts = {matmul_nt<Ops8<float>>, matmul_nt<OpsBf16Pairs>, accumulate_nn_f32,
-                                      accumulate_nn_bf16, exp_sum, activate, DType::kFloat32, "avx2", true};
+const MoeExpertKernels kMoeExperts = {matmul_nt<Ops8<float>>, matmul_nt<OpsBf16Pairs>, accumulate_nn<float>,
+                                      accumulate_nn<uint16_t>, exp_sum, activate, DType::kFloat32, "avx2", true};
 
 }  // namespace avx2
 }  // namespace cpu

@@ -164,13 +164,77 @@ struct Bf16DpOps {
 
 #include "moe_experts_schedule.inc"  // run_tile_tn, matmul_nt: the ISA-independent schedule
 
+// accumulate_nn (moe_experts_simd.h): blocks of NV <= 4 vectors (64 columns) x TN <= 4 activation
+// rows, 16 accumulators: a weight row is loaded (and widened) once per 4 rows, and with twice the
+// AVX2 entry's lanes. s ascending, one FMA per s and element: the same bits as the AVX2 entry.
+template <typename WT>
+inline __m512 load_row16(const WT* p, __mmask16 m) {
+  if constexpr (sizeof(WT) == 4) return _mm512_maskz_loadu_ps(m, p);
+  else return bf16_to_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+
+template <typename WT, int TN, int NV>
+void accumulate_block(const WT* w, int64_t ldw, int64_t S, const __mmask16* masks, const float* a, int64_t lda,
+                      float* c, int64_t ldc) {
+  __m512 acc[TN][NV];
+  for (int n = 0; n < TN; ++n)
+    for (int v = 0; v < NV; ++v) acc[n][v] = _mm512_maskz_loadu_ps(masks[v], c + n * ldc + v * 16);
+  for (int64_t s = 0; s < S; ++s) {
+    __m512 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = load_row16(w + s * ldw + v * 16, masks[v]);
+    for (int n = 0; n < TN; ++n) {
+      const __m512 av = _mm512_set1_ps(a[n * lda + s]);
+      for (int v = 0; v < NV; ++v) acc[n][v] = _mm512_fmadd_ps(av, wv[v], acc[n][v]);
+    }
+  }
+  for (int n = 0; n < TN; ++n)
+    for (int v = 0; v < NV; ++v) _mm512_mask_storeu_ps(c + n * ldc + v * 16, masks[v], acc[n][v]);
+}
+
+template <typename WT, int TN>
+void accumulate_rows(int nv, const WT* w, int64_t ldw, int64_t S, const __mmask16* masks, const float* a,
+                     int64_t lda, float* c, int64_t ldc) {
+  switch (nv) {
+    case 1: accumulate_block<WT, TN, 1>(w, ldw, S, masks, a, lda, c, ldc); break;
+    case 2: accumulate_block<WT, TN, 2>(w, ldw, S, masks, a, lda, c, ldc); break;
+    case 3: accumulate_block<WT, TN, 3>(w, ldw, S, masks, a, lda, c, ldc); break;
+    default: accumulate_block<WT, TN, 4>(w, ldw, S, masks, a, lda, c, ldc); break;
+  }
+}
+
+template <typename WT>
+void accumulate_nn(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda, int64_t n_tok,
+                   float* c, int64_t ldc) {
+  const WT* wp = static_cast<const WT*>(w);
+  for (int64_t j0 = 0; j0 < N; j0 += 64) {
+    const int64_t cols = std::min<int64_t>(64, N - j0);
+    const int nv = static_cast<int>((cols + 15) / 16);
+    __mmask16 masks[4];
+    for (int v = 0; v < 4; ++v) {
+      const int64_t left = std::clamp<int64_t>(cols - v * 16, 0, 16);
+      masks[v] = static_cast<__mmask16>((1u << left) - 1u);
+    }
+    for (int64_t n0 = 0; n0 < n_tok; n0 += 4) {
+      const float* an = a + n0 * lda;
+      float* cn = c + n0 * ldc + j0;
+      switch (std::min<int64_t>(4, n_tok - n0)) {
+        case 1: accumulate_rows<WT, 1>(nv, wp + j0, ldw, S, masks, an, lda, cn, ldc); break;
+        case 2: accumulate_rows<WT, 2>(nv, wp + j0, ldw, S, masks, an, lda, cn, ldc); break;
+        case 3: accumulate_rows<WT, 3>(nv, wp + j0, ldw, S, masks, an, lda, cn, ldc); break;
+        default: accumulate_rows<WT, 4>(nv, wp + j0, ldw, S, masks, an, lda, cn, ldc); break;
+      }
+    }
+  }
+}
+
 }  // namespace
 
-// (The accumulate, exp and activation entries are the AVX2 ones: neither is a bottleneck worth a third copy.)
-const MoeExpertKernels kMoeExperts = {matmul_nt<F32Ops>, matmul_nt<Bf16F32Ops>, avx2::accumulate_nn_f32,
-                                      avx2::accumulate_nn_bf16, avx2::exp_sum, avx2::activate, DType::kFloat32, "avx512"};
-const MoeExpertKernels kMoeExpertsBf16 = {matmul_nt<F32Ops>, matmul_nt<Bf16DpOps>, avx2::accumulate_nn_f32,
-                                          avx2::accumulate_nn_bf16, avx2::exp_sum, avx2::activate, DType::kBFloat16, "avx512_bf16"};
+// (The exp and activation entries are the AVX2 ones: neither is a bottleneck worth a third copy.)
+const MoeExpertKernels kMoeExperts = {matmul_nt<F32Ops>, matmul_nt<Bf16F32Ops>, accumulate_nn<float>,
+                                      accumulate_nn<uint16_t>, avx2::exp_sum, avx2::activate, DType::kFloat32, "avx512"};
+const MoeExpertKernels kMoeExpertsBf16 = {matmul_nt<F32Ops>, matmul_nt<Bf16DpOps>, accumulate_nn<float>,
+                                          accumulate_nn<uint16_t>, avx2::exp_sum, avx2::activate, DType::kBFloat16,
+                                          "avx512_bf16"};
 
 }  // namespace avx512
 }  // namespace cpu

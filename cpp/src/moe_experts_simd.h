@@ -46,9 +46,26 @@ using MoeAccumulateNn = void (*)(const void* w, int64_t ldw, int64_t S, int64_t 
                                  int64_t n_tok, float* c, int64_t ldc);
 
 // Softmax numerators in place: x[i] = exp(x[i] - shift) for i < n (an x[i] of -inf gives exactly 0);
-// returns their sum, taken in index order (so zeros anywhere leave it unchanged: what keeps the
-// native step's attention batch-invariant). The SIMD paths use a polynomial exp (within 2 ulp of expf).
+// returns their sum in the order of NonzeroSum (so zeros anywhere leave it unchanged: what keeps the
+// native step's attention batch-invariant, and a tree node's row equal to decoding its path). The
+// SIMD paths use a polynomial exp (within 2 ulp of expf).
 using MoeExpSum = float (*)(float* x, int64_t n, float shift);
+
+// The sum of a sequence of non-negative terms that ignores its zeros: the k-th nonzero term goes
+// into lane k % 8, and the lanes are added as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+// Zeros anywhere (masked slots, padding) leave every lane unchanged, bit for bit, while 8 chains
+// run independently (one in-order chain was most of a softmax row's time).
+struct NonzeroSum {
+  float lane[8] = {};
+  int64_t count = 0;  // nonzero terms so far
+  void add(float v) {
+    lane[count & 7] += v;  // + 0 leaves a lane's (non-negative) bits unchanged
+    count += v != 0.0f;
+  }
+  float total() const {
+    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+  }
+};
 
 // The experts' activation over n (gate, up) pairs: h[j] = act(g[j], u[j]); h may alias g or u.
 // SwiGLU: g / (1 + exp(-g)) * u. GptOss: g' = min(g, limit), u' = clamp(u, -limit, limit),
@@ -103,11 +120,7 @@ extern const MoeExpertKernels kMoeExperts;
 #if defined(MOESPEC_HAVE_AVX2)
 namespace avx2 {
 extern const MoeExpertKernels kMoeExperts;
-// Also the AVX-512 tables' accumulate entries (an AVX-512 CPU runs AVX2 code).
-void accumulate_nn_f32(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda, int64_t n_tok,
-                       float* c, int64_t ldc);
-void accumulate_nn_bf16(const void* w, int64_t ldw, int64_t S, int64_t N, const float* a, int64_t lda,
-                        int64_t n_tok, float* c, int64_t ldc);
+// Also the AVX-512 tables' exp and activation entries (an AVX-512 CPU runs AVX2 code).
 float exp_sum(float* x, int64_t n, float shift);
 void activate(ExpertActivation activation, float limit, float alpha, const float* g, const float* u, int64_t n,
               float* h);

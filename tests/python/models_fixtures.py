@@ -124,6 +124,22 @@ def depths(parents: list[int]) -> list[int]:
 
 
 @torch.no_grad()
+def hf_routing_near_tie(hf, seq: list[int], rel: float = 1e-5) -> bool:
+    """Whether transformers routes the last token of ``seq`` with a near-tie at the top-k boundary in
+    some layer (the k-th and (k+1)-th router scores within ``rel`` of the largest): there the chosen
+    expert follows the summation order, not the model, and the logits of two correct implementations
+    may differ by a whole expert."""
+    k = getattr(hf.config, "num_experts_per_tok", None)
+    if not k:
+        return False
+    for scores in hf(torch.tensor([seq]), output_router_logits=True).router_logits:
+        v = scores.reshape(-1, scores.shape[-1])[-1].float().sort(descending=True).values
+        if k < v.numel() and (v[k - 1] - v[k]).item() <= rel * v.abs().max().item():
+            return True
+    return False
+
+
+@torch.no_grad()
 def hf_tree_logits(hf, prompt: list[int], tree: list[int], parents: list[int], budget=None,
                    record: Optional[list] = None) -> torch.Tensor:
     """transformers' logits [T, V] for a tree after a prompt: the prompt through its cache, then the

@@ -23,7 +23,8 @@ import moespec.models as mm
 from moespec.ops import ExpertBudget
 
 from models_fixtures import (
-    FAMILIES, MOE_FAMILIES, V, assert_close, check_prefill_and_decode, hf_tree_logits, reference, write_checkpoint,
+    FAMILIES, MOE_FAMILIES, V, assert_close, check_prefill_and_decode, hf_routing_near_tie, hf_tree_logits, reference,
+    write_checkpoint,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -192,8 +193,9 @@ def test_commit_keeps_the_accepted_path(family, tree, data, models, refs):
     for t, g in zip(follow, got):
         assert_close(g, model.decode(fresh_cache, [t]).logits[0], tol=1e-5)
         seq.append(t)
-        with torch.no_grad():
-            assert_close(g, hf(torch.tensor([seq])).logits[0, -1])
+        if not hf_routing_near_tie(hf, seq):  # (a near-tie's expert follows the summation order)
+            with torch.no_grad():
+                assert_close(g, hf(torch.tensor([seq])).logits[0, -1])
 
 
 def test_batched_trees_equal_each_tree_alone(models):

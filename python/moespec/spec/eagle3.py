@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
@@ -64,7 +65,7 @@ from moespec.ops.linear import linear
 from moespec.ops.routing import softmax_vector_width
 from moespec.runtime.state import RopeTable
 from moespec.spec.eagle3_config import Eagle3Config, default_aux_layers  # noqa: F401 (re-exported)
-from moespec.spec.tree import pack_mask
+
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -199,7 +200,7 @@ class DraftCache:
         Padded tokens (j >= num[b]) get slot -1 and see slot 0 only. Does not advance the lengths."""
         if len(num) != self.batch:
             raise ValueError(f"append_inputs: num has {len(num)} entries, the cache holds {self.batch} requests")
-        count, start = torch.tensor([int(n) for n in num]), torch.tensor(self.lengths)
+        count, start = np.array([int(n) for n in num], dtype=np.int64), np.array(self.lengths, dtype=np.int64)
         if (count < 0).any() or int(count.max()) < 1:
             raise ValueError(f"append_inputs: num must be >= 0 with at least one token, got {list(num)}")
         end = start + count
@@ -208,13 +209,14 @@ class DraftCache:
             raise ValueError(f"draft cache overflow: request {b} holds {self.lengths[b]} entries, {int(count[b])} "
                              f"more exceed max_len={self.max_len}")
         T, S = int(count.max()), int(end.max())
-        j = torch.arange(T)
+        j = np.arange(T)
         valid = j[None, :] < count[:, None]  # [B, T]
         positions = start[:, None] + j[None, :]  # [B, T]
-        slots = torch.where(valid, positions, -1)  # [B, T]
-        visible = torch.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        slots = np.where(valid, positions, -1)  # [B, T]
+        visible = np.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
         visible &= valid[:, :, None]
         visible[:, :, 0] |= ~valid
+        positions, slots, visible = (torch.from_numpy(a) for a in (positions, slots, visible))
         device = self.k.device
         return StepInputs(positions=to_device(positions, device), slots=to_device(slots, device),
                           visible=to_device(visible, device))
@@ -516,50 +518,55 @@ class Eagle3Head(nn.Module):
         prefix [0, lengths[b]), slots past it by a bit mask, and at least one slot."""
         B, T = tokens.shape
         S = visible.shape[-1]
-        start = torch.tensor(cache.lengths)  # [B]
-        valid = slots >= 0  # [B, T]
-        prefix = torch.arange(S)[None, :] < start[:, None]  # [B, S]
-        if not bool(((visible | ~prefix[:, None, :]).all(-1) & visible.any(-1) | ~valid).all()):
+        # the geometry on the host with numpy (a step's few small arrays: numpy's calls cost a tenth
+        # of torch's, which were a third of a draft-head call here)
+        vis, sl = visible.numpy(), slots.numpy()  # bool [B, T, S], long [B, T]
+        lengths = np.asarray(cache.lengths, dtype=np.int64)  # [B]
+        valid = sl >= 0  # [B, T]
+        prefix = np.arange(S)[None, :] < lengths[:, None]  # [B, S]
+        if not ((((vis | ~prefix[:, None, :]).all(-1) & vis.any(-1)) | ~valid).all()
+                and not ((sl < lengths[:, None]) & valid).any()):
             return None
-        if bool(((slots < start[:, None]) & valid).any()):
-            return None
-        if bool(valid.all()):  # every entry is real (always with one request): a reshape packs them
-            P = B * T
-            offsets = torch.arange(0, P + 1, T, dtype=torch.int32)
+        counts = valid.sum(1)
+        offsets_np = np.zeros(B + 1, dtype=np.int32)
+        offsets_np[1:] = counts.cumsum()
+        P = int(offsets_np[-1])
+        if P == B * T:  # every entry is real (always with one request): a reshape packs them
+            rows = cols = None
 
             def packed(t: torch.Tensor) -> torch.Tensor:
                 return t.reshape(P, *t.shape[2:])
-            start_rows = start.repeat_interleave(T)
         else:
-            rows, cols = valid.nonzero(as_tuple=True)  # packed entries, request by request
-            P = rows.shape[0]
-            offsets = torch.zeros(B + 1, dtype=torch.int32)
-            offsets[1:] = valid.sum(1).cumsum(0)
+            rows_np, cols_np = np.nonzero(valid)  # packed entries, request by request
+            rows, cols = torch.from_numpy(rows_np), torch.from_numpy(cols_np)
 
             def packed(t: torch.Tensor) -> torch.Tensor:
                 return t[rows, cols]
-            start_rows = start[rows]
-        width = max(1, S - min(cache.lengths))
+        width = max(1, S - int(lengths.min()))
         W = (width + 31) // 32
-        # mask bit i of an entry = it sees slot lengths[b] + i
-        shifted = torch.arange(32 * W)[None, :] + start[:, None]  # [B, 32 W]
-        bits = visible.gather(2, shifted.clamp_max(S - 1)[:, None, :].expand(B, T, 32 * W))
+        # mask bit i of an entry = it sees slot lengths[b] + i (little-endian bits of int32 words)
+        shifted = np.arange(32 * W)[None, :] + lengths[:, None]  # [B, 32 W]
+        bits = np.take_along_axis(vis, np.broadcast_to(np.minimum(shifted, S - 1)[:, None, :], (B, T, 32 * W)), 2)
         bits &= (shifted < S)[:, None, :]
-        words = pack_mask(packed(bits))  # [P, W]
+        bits = bits.reshape(B * T, 32 * W) if rows is None else bits[rows_np, cols_np]
+        words = torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").view(np.int32))  # [P, W]
+        rel_np = (sl - lengths[:, None]).astype(np.int32)
+        rel = torch.from_numpy(rel_np.reshape(-1) if rows is None else rel_np[rows_np, cols_np])
+        offsets = torch.from_numpy(offsets_np)
+        start = torch.from_numpy(lengths.astype(np.int32))
         decoder, rope = self._native_model()
         x = packed(h).to(self.dtype, copy=True).contiguous()  # [P, H] in/out: the residual (a copy: never h)
         embed = self.embed.index_select(0, packed(tokens))  # [P, H]
         cos, sin = rope.lookup(packed(positions))
-        rel = (packed(slots) - start_rows).to(torch.int32)
         if last_only:  # each request's last packed entry (any row for one without entries)
             logit_rows = (offsets[1:] - 1).clamp_min(0)
         else:
             logit_rows = torch.arange(P, dtype=torch.int32)
         logits = torch.empty(logit_rows.shape[0], self.config.draft_vocab_size, dtype=self.dtype)
-        start32 = start.to(torch.int32)  # (locals: alive while the native call reads them)
+        # (every tensor a local: alive while the native call reads it)
         decoder.step(view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k.unsqueeze(0), "k_cache"),
                      view(cache.v.unsqueeze(0), "v_cache"), view(offsets, "offsets"),
-                     view(start32, "start"), view(words, "mask"), None, None,
+                     view(start, "start"), view(words, "mask"), None, None,
                      view(logit_rows, "logit_rows"), view(logits, "logits"), None, 0, 0, 0.0,
                      slots=view(rel, "slots"), embed=view(embed, "embed"))
         if last_only:
