@@ -231,6 +231,53 @@ def test_the_gpus_tree_core_drafts_the_native_cores_trees(models, ar_outputs, tr
             assert got_lengths == lengths and max(n for per in lengths for n in per) >= 3
 
 
+@pytest.mark.parametrize("head", ["trained", "random"])
+def test_the_hosts_draft_round_drafts_the_general_rounds_trees(head, models, ar_outputs, trained_head, monkeypatch):
+    """The host's draft round (the frontier's masks kept as the native step's words) gives every step
+    of a batch of three the tree of the general round (visible tensors through Eagle3Head.forward):
+    the same tokens and parents, verify by verify, and every head call's logits bit for bit; with a
+    head that is accepted (deep trees) and a random one."""
+    from moespec.spec.eagle3 import Eagle3Head
+    from moespec.spec.eagle3_policy import Eagle3Policy
+
+    logits: list[torch.Tensor] = []
+    for name in ("forward", "forward_native"):
+        def recorded(self, *args, _call=getattr(Eagle3Head, name), **kwargs):
+            out = _call(self, *args, **kwargs)
+            logits.append(out.logits.clone())
+            return out
+        monkeypatch.setattr(Eagle3Head, name, recorded)
+
+    prompts, want = ar_outputs
+    model, params = models["qwen3_moe"], SamplingParams(max_tokens=24, ignore_eos=True)
+    config = SpeculativeConfig("eagle3", depth=4, top_k=3, total_tokens=10)
+
+    def trees():
+        draft = str(trained_head) if head == "trained" else _head(model, 3)
+        llm = LLM(model, draft=draft, speculative_config=config, max_batch_size=3)
+        seen, verify = [], llm.policy.target.verify_trees
+
+        def recording(cache, trees_, **kwargs):
+            seen.append([(t.tokens.tolist(), t.parents.tolist()) if t is not None else None for t in trees_])
+            return verify(cache, trees_, **kwargs)
+        llm.policy.target.verify_trees = recording  # (the target is shared between the LLMs: undone below)
+        try:
+            outs = llm.generate(prompts, params)
+        finally:
+            del llm.policy.target.verify_trees
+        calls = logits.copy()
+        logits.clear()
+        return [o.outputs[0].token_ids for o in outs], (seen, calls), llm.policy
+
+    tokens, host, policy = trees()
+    assert policy._host_round(policy.head.new_cache(1, 4))  # (this test's premise: the host's round ran)
+    monkeypatch.setattr(Eagle3Policy, "_host_round", lambda self, dc: False)
+    got_tokens, general, _ = trees()
+    assert got_tokens == tokens == want["qwen3_moe"]
+    assert general[0] == host[0] and len(host[0]) > 8
+    assert len(general[1]) == len(host[1]) and all(torch.equal(a, b) for a, b in zip(*(general[1], host[1])))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_draft_rounds_equal_greedy_ar(family, models, ar_outputs, monkeypatch):
     """Draft rounds on static shapes (moespec.spec.draft_graph: what a GPU captures as a CUDA graph; here

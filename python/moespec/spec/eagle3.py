@@ -279,7 +279,7 @@ class Eagle3Head(nn.Module):
         self._inv_freq = c.rope.inv_freq(c.head_dim)
         self._fused_weights: dict[str, tuple] = {}  # inference copies of q/k/v and gate/up, see _fused
         self._native: Optional[tuple] = None  # (weights key, DecoderModel, RopeTable), see _native_model
-        self._modules_list: Optional[list[nn.Module]] = None  # self.modules(), listed once (_native_model)
+        self._params_list: Optional[list[torch.Tensor]] = None  # the parameters, listed once (_native_model)
         self.native_step = True  # inference on the CPU through the native step (False: the torch ops)
 
     @property
@@ -363,7 +363,7 @@ class Eagle3Head(nn.Module):
         if slots.device.type == "cpu" and int(slots.max()) >= cache.max_len:  # (a GPU: unchecked, see below)
             raise ValueError(f"forward: slot {int(slots.max())} is outside the cache (max_len={cache.max_len})")
         h = self._features(hidden, allow_own=True)
-        if self.native_step and cache.k.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+        if self.runs_natively(cache):
             out = self._native_forward(cache, tokens, h, positions, slots, visible, last_only)
             if out is not None:
                 return out
@@ -385,6 +385,61 @@ class Eagle3Head(nn.Module):
             rows = torch.arange(B, device=out.device)
             return DraftOutput(logits=self.logits(out[rows, last])[:, None], hidden=out)
         return DraftOutput(logits=self.logits(out), hidden=out)
+
+    def runs_natively(self, cache: DraftCache) -> bool:
+        """Whether calls over ``cache`` run through the native step (:meth:`forward_native` needs it)."""
+        return self.native_step and cache.k.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+
+    @torch.inference_mode()
+    def forward_native(self, cache: DraftCache, tokens: torch.Tensor, hidden: torch.Tensor, positions: np.ndarray,
+                       slots: np.ndarray, mask: np.ndarray, last_only: bool = False) -> DraftOutput:
+        """:meth:`forward` in the native step's own terms (where :meth:`runs_natively`): T real entries
+        per request, without the ``visible`` tensor to check and pack again. The draft round's levels
+        and the catch-up call it (:mod:`moespec.spec.eagle3_policy`): forward's checks and packing were
+        most of a call's host time.
+
+        tokens long [B, T] (target ids), hidden [B, T, H] (the parents' outputs, or ``fc`` of the
+        target's features: :meth:`features`), positions int [B, T], slots int [B, T]: each entry's cache
+        slot relative to its request's accepted length (>= 0), mask int32 [B * T, W]: bit i of an
+        entry's words = it sees slot lengths[b] + i (it sees the accepted prefix [0, lengths[b])
+        always). Returns logits float32 [B, T, Vd] ([B, 1, Vd] of each request's last entry with
+        ``last_only``) and hidden [B, T, H]."""
+        B, T = tokens.shape
+        P = B * T
+        top = int(slots.max()) + max(cache.lengths)
+        if int(slots.min()) < 0 or top >= cache.max_len:
+            raise ValueError(f"forward_native: slots must lie in [0, max_len - lengths) (max_len={cache.max_len}), "
+                             f"got a slot {top}")
+        if mask.dtype != np.int32 or mask.ndim != 2 or mask.shape[0] != P:
+            raise ValueError(f"forward_native: mask must be int32 [{P}, W], got {mask.dtype} {mask.shape}")
+        decoder, rope = self._native_model()
+        x = hidden.reshape(P, -1).to(self.dtype, copy=True)  # [P, H] in/out (a copy: never the caller's)
+        cos, sin = rope.lookup(torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64).reshape(P)))
+        logit_rows = torch.arange(T - 1 if last_only else 0, P, T if last_only else 1, dtype=torch.int32)
+        logits = self._native_call(decoder, cache, x, cos, sin, self.embed.index_select(0, tokens.reshape(P)),
+                                   torch.arange(0, P + 1, T, dtype=torch.int32), torch.from_numpy(mask),
+                                   torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int32).reshape(P)), logit_rows)
+        return DraftOutput(logits=logits.float().view(B, 1 if last_only else T, -1), hidden=x.view(B, T, -1))
+
+    @torch.inference_mode()
+    def features(self, taps: Features) -> torch.Tensor:
+        """``fc`` of the target's features (three taps [B, T, Ht] or their concatenation): the hidden
+        input of a catch-up entry (in inference mode, as :meth:`forward`: the same kernel)."""
+        return self._features(taps, allow_own=False)
+
+    def _native_call(self, decoder, cache: DraftCache, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     embed: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+                     logit_rows: torch.Tensor) -> torch.Tensor:
+        """One native step over packed entries (x [P, H]: in/out); the logits [R, Vd] of logit_rows."""
+        start = torch.tensor(cache.lengths, dtype=torch.int32)
+        logits = torch.empty(logit_rows.shape[0], self.config.draft_vocab_size, dtype=self.dtype)
+        # (every tensor a local or an argument: alive while the native call reads it)
+        decoder.step(view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k.unsqueeze(0), "k_cache"),
+                     view(cache.v.unsqueeze(0), "v_cache"), view(offsets, "offsets"),
+                     view(start, "start"), view(mask, "mask"), None, None,
+                     view(logit_rows, "logit_rows"), view(logits, "logits"), None, 0, 0, 0.0,
+                     slots=view(slots, "slots"), embed=view(embed, "embed"))
+        return logits
 
     def ttt_forward(self, tokens: torch.Tensor, features: Features, steps: int) -> list[DraftOutput]:
         """EAGLE-3's training-time test over whole sequences: ``steps`` unrolled draft steps (autograd on).
@@ -488,10 +543,9 @@ class Eagle3Head(nn.Module):
     def _native_model(self):
         """The layer as a one-layer ``moespec._native.DecoderModel`` (cpp/include/moespec/decoder_step.h:
         a layer with an embed_norm), made again whenever a parameter changes, with its rope table."""
-        if self._modules_list is None:  # (the head's module tree is fixed once built; parameters may change)
-            self._modules_list = list(self.modules())
-        key = tuple((p.data_ptr(), p._version) for m in self._modules_list for p in m._parameters.values()
-                    if p is not None)
+        if self._params_list is None:  # (the head's module tree is fixed once built; parameters may change)
+            self._params_list = [p for m in self.modules() for p in m._parameters.values() if p is not None]
+        key = [(p.data_ptr(), p._version) for p in self._params_list]
         if self._native is None or self._native[0] != key:
             c, m = self.config, self.midlayer
             a = m.self_attn
@@ -545,30 +599,24 @@ class Eagle3Head(nn.Module):
         width = max(1, S - int(lengths.min()))
         W = (width + 31) // 32
         # mask bit i of an entry = it sees slot lengths[b] + i (little-endian bits of int32 words)
-        shifted = np.arange(32 * W)[None, :] + lengths[:, None]  # [B, 32 W]
-        bits = np.take_along_axis(vis, np.broadcast_to(np.minimum(shifted, S - 1)[:, None, :], (B, T, 32 * W)), 2)
-        bits &= (shifted < S)[:, None, :]
+        bits = np.zeros((B, T, 32 * W), dtype=bool)
+        for b, n in enumerate(cache.lengths):
+            if n < S:
+                bits[b, :, : S - n] = vis[b, :, n:]
         bits = bits.reshape(B * T, 32 * W) if rows is None else bits[rows_np, cols_np]
         words = torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").view(np.int32))  # [P, W]
         rel_np = (sl - lengths[:, None]).astype(np.int32)
         rel = torch.from_numpy(rel_np.reshape(-1) if rows is None else rel_np[rows_np, cols_np])
         offsets = torch.from_numpy(offsets_np)
-        start = torch.from_numpy(lengths.astype(np.int32))
         decoder, rope = self._native_model()
         x = packed(h).to(self.dtype, copy=True).contiguous()  # [P, H] in/out: the residual (a copy: never h)
-        embed = self.embed.index_select(0, packed(tokens))  # [P, H]
         cos, sin = rope.lookup(packed(positions))
         if last_only:  # each request's last packed entry (any row for one without entries)
-            logit_rows = (offsets[1:] - 1).clamp_min(0)
+            logit_rows = torch.from_numpy(np.maximum(offsets_np[1:] - 1, 0))
         else:
             logit_rows = torch.arange(P, dtype=torch.int32)
-        logits = torch.empty(logit_rows.shape[0], self.config.draft_vocab_size, dtype=self.dtype)
-        # (every tensor a local: alive while the native call reads it)
-        decoder.step(view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k.unsqueeze(0), "k_cache"),
-                     view(cache.v.unsqueeze(0), "v_cache"), view(offsets, "offsets"),
-                     view(start, "start"), view(words, "mask"), None, None,
-                     view(logit_rows, "logit_rows"), view(logits, "logits"), None, 0, 0, 0.0,
-                     slots=view(rel, "slots"), embed=view(embed, "embed"))
+        logits = self._native_call(decoder, cache, x, cos, sin, self.embed.index_select(0, packed(tokens)), offsets,
+                                   words, rel, logit_rows)
         if last_only:
             out_logits = logits.float()[:, None]  # [B, 1, Vd]
         if P == B * T:

@@ -29,6 +29,7 @@ import os
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from moespec._tensor import to_device
@@ -125,6 +126,16 @@ class Eagle3Policy:
         T = max(num)
         dev = self.target.device
         tokens = to_device([t + [0] * (T - len(t)) for t in next_tokens], dev)  # [B, T]
+        if T > 0 and min(num) == T and self._host_round(dc):  # every request T entries: the native step's terms
+            j = np.arange(T)
+            causal = np.packbits(j[None, :] <= j[:, None], axis=-1, bitorder="little")  # entry j sees new 0..j
+            causal = np.pad(causal, ((0, 0), (0, -causal.shape[1] % 4))).view(np.int32)  # [T, W] words
+            lengths = np.asarray(dc.lengths, dtype=np.int64)[:, None]
+            out = self.head.forward_native(dc, tokens, self.head.features(features), lengths + j, np.broadcast_to(
+                j, (len(num), T)), np.tile(causal, (len(num), 1)), last_only=True)
+            dc.advance(num)
+            run.extra["draft_logits"], run.extra["draft_hidden"] = out.logits[:, 0], out.hidden[:, -1]
+            return
         step = dc.append_inputs(num)
         out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible,
                         last_only=True)
@@ -190,6 +201,9 @@ class Eagle3Policy:
             if self._static is None or self._static.dc is not dc or self._static.builder is not builder:
                 self._static = StaticDraftRound(self, builder, dc)
             return self._static.run(roots, run.extra["draft_logits"], run.extra["draft_hidden"])
+        if self._host_round(dc):
+            self._grow_native(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"])
+            return [t.clone() for t in builder.finalize()]
         n = to_device(dc.lengths, self.target.device)  # [B] accepted draft entries
         S = max(dc.lengths) + (c.depth - 1) * K  # (from the host's lengths: no synchronisation)
         level_hidden = self._grow(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"], n, S,
@@ -197,6 +211,36 @@ class Eagle3Policy:
         if self.selector is not None:
             return self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden, active)
         return [t.clone() for t in builder.finalize()]
+
+    def _host_round(self, dc) -> bool:
+        """Whether the round runs as :meth:`_grow_native` (no selector, the head native on the host)."""
+        return self.selector is None and self.head.runs_natively(dc)
+
+    def _grow_native(self, builder: TreeBuilder, dc, roots, draft_logits: torch.Tensor,
+                     draft_hidden: torch.Tensor) -> None:
+        """:meth:`_grow` without a selector where the head runs natively on the host: the same levels
+        and the same bits, the frontier's visibility kept as the native step's mask words (bit i: the
+        scratch slot lengths[b] + i; the accepted prefix is always seen) instead of [B, K, S] tensors."""
+        c, head = self.config, self.head
+        B, K = len(draft_logits), c.top_k
+        top = torch.log_softmax(draft_logits, dim=-1).topk(K, dim=-1)  # [B, K]
+        frontier = builder.expand_root(roots, top.indices, top.values)
+        H = draft_hidden.shape[-1]
+        hidden = draft_hidden[:, None, :].expand(B, K, H)  # the frontier's parents' outputs
+        lengths = np.asarray(dc.lengths, dtype=np.int64)
+        W = ((c.depth - 1) * K + 31) // 32
+        words = np.zeros((B, K, W), dtype=np.uint32)  # the frontier's masks: the root sees no scratch slot
+        slot = np.arange(K)
+        for d in range(1, c.depth):
+            own = (d - 1) * K + slot  # [K] the level's scratch slots (past lengths[b])
+            words[:, slot, own // 32] |= np.left_shift(np.uint32(1), (own % 32).astype(np.uint32))  # sees itself
+            out = head.forward_native(dc, frontier.tokens, hidden, np.broadcast_to((lengths - 1 + d)[:, None], (B, K)),
+                                     np.broadcast_to(own, (B, K)), words.reshape(B * K, W).view(np.int32))
+            top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
+            frontier = builder.expand(top.indices, top.values)
+            parent = frontier.parent_slot.long()  # [B, K]
+            hidden = out.hidden.gather(1, parent[:, :, None].expand(B, K, H))
+            words = np.take_along_axis(words, parent.numpy()[:, :, None], 1)
 
     def _grow(self, builder: TreeBuilder, dc, roots, draft_logits: torch.Tensor, draft_hidden: torch.Tensor,
               n: torch.Tensor, S: int, active) -> list[torch.Tensor]:
