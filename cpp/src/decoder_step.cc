@@ -525,7 +525,7 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   check_ndim(a.logits, "logits", 2);
   check_dim(a.logits, "logits", 0, R);
   check_dim(a.logits, "logits", 1, s.vocab);
-  check_dtype(a.logits, "logits", {dtype_});
+  check_dtype(a.logits, "logits", {dtype_, DType::kFloat32});
   check_contiguous(a.logits, "logits");
   if (num_moe_ > 0) {
     check_not_null(a.stats, "stats");
@@ -783,7 +783,12 @@ void DecoderModel::step(const DecoderStepArgs& a) {
   float* logits = ws.logits_f32.get<float>(R * s.vocab);
   if (R > 0) {
     project(c, lm_head_, TensorView{}, h, R, act, logits);
-    store_values(a.logits.data, dtype_, 0, logits, R * s.vocab);
+    if (a.logits.dtype == DType::kFloat32) {  // the model dtype's values, widened exactly
+      float* out = a.logits.ptr<float>();
+      for (int64_t i = 0; i < R * s.vocab; ++i) out[i] = r(logits[i]);
+    } else {
+      store_values(a.logits.data, dtype_, 0, logits, R * s.vocab);
+    }
   }
   clock.mark(kHead);
   release_if_large(ws.x, ws.h, ws.y, ws.q, ws.o, ws.mlp, ws.inner, ws.logits_f32, ws.act, ws.bits, ws.bits_out,

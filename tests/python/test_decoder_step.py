@@ -279,6 +279,32 @@ def test_bad_step_arguments_are_value_errors(pairs):
         decoder.step(*args()[:-3], c.moe.top_k - 1, 0, 0.0)
 
 
+def test_float32_logits_of_a_bf16_model_are_its_bf16_logits_widened(pairs):
+    """The step writes logits in the model's dtype or, into a float32 buffer, those values widened
+    exactly (what the EAGLE-3 head reads: no conversion afterwards); a float16 buffer is refused."""
+    from moespec._tensor import view
+
+    native, _ = pairs["qwen3_moe", "bf16"]
+    c = native.config
+    P, H, D = 2, c.hidden_size, c.head_dim
+    x = torch.randn(P, H, generator=torch.Generator().manual_seed(0)).bfloat16()
+
+    def step(logits):
+        cache = native.new_cache(1, 8)
+        a = dict(x=x.clone(), cos=torch.ones(P, D).bfloat16(), sin=torch.zeros(P, D).bfloat16(), k_cache=cache.k,
+                 v_cache=cache.v, offsets=torch.tensor([0, P], dtype=torch.int32),
+                 start=torch.tensor([0], dtype=torch.int32), mask=torch.tensor([[1], [3]], dtype=torch.int32),
+                 taps=None, tap_out=None, logit_rows=torch.tensor([0, 1], dtype=torch.int32), logits=logits,
+                 stats=torch.empty(len(c.moe_layers), 4, dtype=torch.int32))
+        native.backend.decoder.step(*[view(v, k) for k, v in a.items()], 0, 0, 0.0)
+        return logits
+
+    bf16, f32 = step(torch.empty(P, c.vocab_size, dtype=torch.bfloat16)), step(torch.empty(P, c.vocab_size))
+    assert torch.equal(bf16.float(), f32)
+    with pytest.raises(ValueError, match="logits"):
+        step(torch.empty(P, c.vocab_size, dtype=torch.float16))
+
+
 def test_steps_from_two_threads_are_serialized(pairs):
     import threading
 

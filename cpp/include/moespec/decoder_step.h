@@ -102,7 +102,7 @@ struct DecoderStepArgs {
   TensorView taps;     // [NT] int32: layers whose output residual is copied out (optional)
   TensorView tap_out;  // out [NT, P, H] model dtype
   TensorView logit_rows;  // [R] int32: rows of x whose logits are computed
-  TensorView logits;      // out [R, V] model dtype
+  TensorView logits;      // out [R, V] model dtype, or float32 (the model dtype's values widened exactly)
   TensorView stats;       // out [Lm, 4] int32: RoutingStats per MoE layer
   // Routing trace (optional, both or neither; python/moespec/models/trace.py): the natural
   // (unbudgeted) top-K ids and weights of every token at every MoE layer. With a budget the step

@@ -419,7 +419,7 @@ class Eagle3Head(nn.Module):
         logits = self._native_call(decoder, cache, x, cos, sin, self.embed.index_select(0, tokens.reshape(P)),
                                    torch.arange(0, P + 1, T, dtype=torch.int32), torch.from_numpy(mask),
                                    torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int32).reshape(P)), logit_rows)
-        return DraftOutput(logits=logits.float().view(B, 1 if last_only else T, -1), hidden=x.view(B, T, -1))
+        return DraftOutput(logits=logits.view(B, 1 if last_only else T, -1), hidden=x.view(B, T, -1))
 
     @torch.inference_mode()
     def features(self, taps: Features) -> torch.Tensor:
@@ -430,9 +430,9 @@ class Eagle3Head(nn.Module):
     def _native_call(self, decoder, cache: DraftCache, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      embed: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
                      logit_rows: torch.Tensor) -> torch.Tensor:
-        """One native step over packed entries (x [P, H]: in/out); the logits [R, Vd] of logit_rows."""
+        """One native step over packed entries (x [P, H]: in/out); the logits float32 [R, Vd] of logit_rows."""
         start = torch.tensor(cache.lengths, dtype=torch.int32)
-        logits = torch.empty(logit_rows.shape[0], self.config.draft_vocab_size, dtype=self.dtype)
+        logits = torch.empty(logit_rows.shape[0], self.config.draft_vocab_size)  # float32: bf16 values, widened
         # (every tensor a local or an argument: alive while the native call reads it)
         decoder.step(view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k.unsqueeze(0), "k_cache"),
                      view(cache.v.unsqueeze(0), "v_cache"), view(offsets, "offsets"),
@@ -618,15 +618,15 @@ class Eagle3Head(nn.Module):
         logits = self._native_call(decoder, cache, x, cos, sin, self.embed.index_select(0, packed(tokens)), offsets,
                                    words, rel, logit_rows)
         if last_only:
-            out_logits = logits.float()[:, None]  # [B, 1, Vd]
+            out_logits = logits[:, None]  # [B, 1, Vd]
         if P == B * T:
-            return DraftOutput(logits=out_logits if last_only else logits.float().view(B, T, -1),
+            return DraftOutput(logits=out_logits if last_only else logits.view(B, T, -1),
                                hidden=x.view(B, T, -1))
         out_hidden = x.new_zeros(B, T, x.shape[-1])
         out_hidden[rows, cols] = x
         if not last_only:
             out_logits = logits.new_zeros(B, T, logits.shape[-1], dtype=torch.float32)
-            out_logits[rows, cols] = logits.float()
+            out_logits[rows, cols] = logits
         return DraftOutput(logits=out_logits, hidden=out_hidden)
 
     def _chain_attention(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
