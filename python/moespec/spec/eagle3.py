@@ -414,11 +414,11 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"forward_native: mask must be int32 [{P}, W], got {mask.dtype} {mask.shape}")
         decoder, rope = self._native_model()
         x = hidden.reshape(P, -1).to(self.dtype, copy=True)  # [P, H] in/out (a copy: never the caller's)
-        cos, sin = rope.lookup(torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64).reshape(P)))
+        cos, sin = rope.lookup(torch.from_numpy(np.array(positions, dtype=np.int64).reshape(P)))  # (copies)
         logit_rows = torch.arange(T - 1 if last_only else 0, P, T if last_only else 1, dtype=torch.int32)
         logits = self._native_call(decoder, cache, x, cos, sin, self.embed.index_select(0, tokens.reshape(P)),
                                    torch.arange(0, P + 1, T, dtype=torch.int32), torch.from_numpy(mask),
-                                   torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int32).reshape(P)), logit_rows)
+                                   torch.from_numpy(np.array(slots, dtype=np.int32).reshape(P)), logit_rows)
         return DraftOutput(logits=logits.view(B, 1 if last_only else T, -1), hidden=x.view(B, T, -1))
 
     @torch.inference_mode()
