@@ -87,7 +87,7 @@ void bind_decoder_step(py::module_& m) {
              const py::object& k_cache, const py::object& v_cache, const py::object& offsets, const py::object& start,
              const py::object& mask, const py::object& taps, const py::object& tap_out, const py::object& logit_rows,
              const py::object& logits, const py::object& stats, int max_experts, int policy, double coverage,
-             const py::object& slots, const py::object& embed, const py::object& trace_ids,
+             int score, const py::object& slots, const py::object& embed, const py::object& trace_ids,
              const py::object& trace_weights) {
             DecoderStepArgs a;
             a.x = to_view(x, "x");
@@ -111,6 +111,7 @@ void bind_decoder_step(py::module_& m) {
             a.budget.max_experts = max_experts;
             a.budget.policy = static_cast<BudgetPolicy>(policy);
             a.budget.coverage = coverage;
+            a.budget.score = static_cast<BudgetScore>(score);
             py::gil_scoped_release release;
             model.step(a);
           },
@@ -122,7 +123,7 @@ void bind_decoder_step(py::module_& m) {
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("offsets"),
           py::arg("start"), py::arg("mask"), py::arg("taps"), py::arg("tap_out"), py::arg("logit_rows"),
           py::arg("logits"), py::arg("stats"), py::arg("max_experts"), py::arg("policy"), py::arg("coverage"),
-          py::arg("slots") = py::none(), py::arg("embed") = py::none(),
+          py::arg("score"), py::arg("slots") = py::none(), py::arg("embed") = py::none(),
           py::arg("trace_ids") = py::none(), py::arg("trace_weights") = py::none())
       .def("set_profiling", &DecoderModel::set_profiling, "Turns per-phase timing of steps on or off.",
            py::arg("on"))

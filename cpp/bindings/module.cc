@@ -54,7 +54,7 @@ void route_experts_binding(const py::object& router_logits, const py::object& bi
                            const py::object& ids, const py::object& weights, const py::object& active,
                            const py::object& stats, int family, int top_k, bool renormalize, int n_group,
                            int topk_group, float scaling, int max_experts, int policy, double coverage,
-                           int softmax_vector_width, const py::object& workspace, uintptr_t stream) {
+                           int score, int softmax_vector_width, const py::object& workspace, uintptr_t stream) {
   RouteExpertsArgs a;
   a.router_logits = to_view(router_logits, "router_logits");
   a.bias = to_view(bias, "bias");
@@ -72,6 +72,7 @@ void route_experts_binding(const py::object& router_logits, const py::object& bi
   a.budget.max_experts = max_experts;
   a.budget.policy = static_cast<BudgetPolicy>(policy);
   a.budget.coverage = coverage;
+  a.budget.score = static_cast<BudgetScore>(score);
   a.softmax_vector_width = softmax_vector_width;
   if (a.router_logits.device == Device::kCUDA) {
     const CudaWorkspace ws = cuda_workspace(workspace, a.router_logits.device_index);
@@ -142,7 +143,7 @@ PYBIND11_MODULE(_native, m) {
         py::arg("router_logits"), py::arg("bias"), py::arg("token_weights"), py::arg("ids"), py::arg("weights"),
         py::arg("active"), py::arg("stats"), py::arg("family"), py::arg("top_k"), py::arg("renormalize"),
         py::arg("n_group"), py::arg("topk_group"), py::arg("scaling"), py::arg("max_experts"), py::arg("policy"),
-        py::arg("coverage"), py::arg("softmax_vector_width"), py::arg("workspace"), py::arg("stream"));
+        py::arg("coverage"), py::arg("score"), py::arg("softmax_vector_width"), py::arg("workspace"), py::arg("stream"));
   m.def("route_experts_workspace_size", &cuda::route_experts_workspace_size,
         "Bytes of CUDA workspace route_experts needs for T tokens, N experts, top-K.", py::arg("T"), py::arg("N"),
         py::arg("K"));

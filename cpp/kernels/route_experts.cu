@@ -8,9 +8,11 @@
 // One fixed launch sequence on the caller's stream, no host synchronisation, no allocation (all
 // scratch lives in the caller's workspace), so a call can be captured in a CUDA graph:
 //   1. natural_route_kernel  one warp per token: the family's full probability row -> prob [T, N],
-//                            its selection key and the natural top-K -> nat_ids [T, K]
+//                            its selection key and the natural top-K -> nat_ids [T, K]; for the
+//                            budget score "gates" also the natural weights -> nat_w [T, K] and the
+//                            token's first choice -> first [T]
 //   2. budget_set_kernel     one block: natural union, budget scores, the order of the experts by
-//                            score, the coverage prefix, B_eff, whether the cap binds, the set S;
+//                            rank, the coverage prefix, B_eff, whether the cap binds, the set S;
 //                            also zeroes the accumulators of steps 3 and 4
 //   3. final_route_kernel    one warp per token: final ids (unchanged / substitution /
 //                            truncation), the family's weights, re-routed and dropped counts, the
@@ -71,6 +73,8 @@ struct Workspace {
   int32_t* nat_ids;   // [T, K] natural top-K
   float* prob;        // [T, N] the family's full probability (softmax, or sigmoid for deepseek_v3)
   int32_t* bad;       // [T] 1 for a token with a non-finite input (step 1)
+  float* nat_w;       // [T, K] natural weights (score "gates" only)
+  int32_t* first;     // [T] the token's first choice, -1 for a token of weight 0 (score "gates" only)
 };
 
 constexpr std::size_t kAlign = 128;
@@ -78,7 +82,7 @@ constexpr std::size_t align_up(std::size_t bytes) { return (bytes + kAlign - 1) 
 
 // Byte offsets of the workspace sections; `total` is the size route_experts_workspace_size reports.
 struct Layout {
-  std::size_t counters, in_set, used, nat_ids, prob, bad, total;
+  std::size_t counters, in_set, used, nat_ids, prob, bad, nat_w, first, total;
   Layout(int64_t T, int64_t N, int64_t K) {
     const std::size_t t = static_cast<std::size_t>(T), n = static_cast<std::size_t>(N),
                       k = static_cast<std::size_t>(K);
@@ -88,7 +92,9 @@ struct Layout {
     nat_ids = used + align_up(sizeof(int32_t) * n);
     prob = nat_ids + align_up(sizeof(int32_t) * t * k);
     bad = prob + align_up(sizeof(float) * t * n);
-    total = bad + align_up(sizeof(int32_t) * t);
+    nat_w = bad + align_up(sizeof(int32_t) * t);
+    first = nat_w + align_up(sizeof(float) * t * k);
+    total = first + align_up(sizeof(int32_t) * t);
   }
 };
 
@@ -112,6 +118,7 @@ struct Params {
   int32_t max_experts;
   BudgetPolicy policy;
   double coverage;
+  BudgetScore score;
   int32_t width;               // softmax_vector_width
   int64_t sigmoid_tail;        // flat index from which the CPU's sigmoid uses libm's expf
   Workspace ws;
@@ -312,6 +319,25 @@ __device__ void finish_weights(const Params& p, const int32_t* ids, float* w) {
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
+// Score "gates": token t's natural weights (nat_w) and first choice (first: the slot of largest
+// weight, ties the lower id; -1 for a token of weight 0), as route_experts.cc score_experts. Lane 0,
+// after warp_topk has written nat_ids (the same thread) and the warp's prob row is in memory.
+__device__ void natural_gates(const Params& p, int64_t t) {
+  const int K = p.K;
+  const int32_t* nat = p.ws.nat_ids + t * K;
+  const float* prob = p.ws.prob + t * p.N;
+  float w[kMaxTopK];
+  for (int j = 0; j < K; ++j) w[j] = p.family == RouterFamily::kGptOss ? load_logit(p, t, nat[j]) : prob[nat[j]];
+  finish_weights(p, nat, w);
+  int best = 0;
+  for (int j = 0; j < K; ++j) {
+    p.ws.nat_w[t * K + j] = w[j];
+    if (w[j] > w[best] || (w[j] == w[best] && nat[j] < nat[best])) best = j;
+  }
+  const bool weighted = p.token_weights == nullptr || p.token_weights[t] > 0.0f;
+  p.ws.first[t] = weighted ? nat[best] : -1;
+}
+
 // 1. One warp per token: prob row, selection key, natural top-K.
 // Token t by one warp; x, y (N floats) and group (N / 2) are the warp's shared scratch.
 __device__ void natural_route_token(const Params& p, int64_t t, float* x, float* y, float* group, int lane) {
@@ -348,7 +374,9 @@ __device__ void natural_route_token(const Params& p, int64_t t, float* x, float*
     }
     key = p.family == RouterFamily::kSoftmax ? y : x;
   }
+  __syncwarp();  // every lane's prob row entries are visible to lane 0 (natural_gates)
   warp_topk(key, N, p.K, p.ws.nat_ids + t * p.K, lane);
+  if (p.score == BudgetScore::kGates && p.max_experts > 0 && lane == 0) natural_gates(p, t);
 }
 
 __global__ void __launch_bounds__(kTokenThreads) natural_route_kernel(Params p) {
@@ -367,7 +395,7 @@ __global__ void __launch_bounds__(kTokenThreads) natural_route_kernel(Params p) 
 // The block's shared state of the budget set, for up to kCap experts (a power of two >= N).
 template <int kCap>
 struct BudgetShared {
-  int32_t mark[kCap];    // natural union
+  int32_t mark[kCap];    // natural union; then (score "gates") the first-choice marks by expert id
   double score[kCap];    // budget score by expert id
   double key[kCap];      // scores sorted, then their running sums
   int32_t order[kCap];   // expert ids sorted by score
@@ -411,19 +439,32 @@ __device__ void budget_set_block(const Params& p, BudgetShared<kCap>& sh) {
     return;  // uniform: every thread returns
   }
 
-  // s_e = sum over t in order of w_t * p_te, in double (the _rn intrinsics are never fused; the
+  // s_e = sum over t in order of w_t * p_te (score "gates": w_t * the token's natural weight on e,
+  // no term where e is not among its top-K), in double (the _rn intrinsics are never fused; the
   // product of two floats is exact in double anyway).
+  const bool gates = p.score == BudgetScore::kGates;
   if (tid < N) {
     double acc = 0.0;
     const float* prob = p.ws.prob + tid;
     for (int64_t t = 0; t < p.T; ++t) {
       const double wt = p.token_weights ? static_cast<double>(p.token_weights[t]) : 1.0;
-      acc = __dadd_rn(acc, __dmul_rn(wt, static_cast<double>(prob[t * N])));
+      if (!gates) {
+        acc = __dadd_rn(acc, __dmul_rn(wt, static_cast<double>(prob[t * N])));
+        continue;
+      }
+      for (int j = 0; j < K; ++j)
+        if (p.ws.nat_ids[t * K + j] == tid) acc = __dadd_rn(acc, __dmul_rn(wt, static_cast<double>(p.ws.nat_w[t * K + j])));
     }
     s_score[tid] = acc;
   }
   int padded = 2;
   while (padded < N) padded *= 2;
+  // s_mark becomes the first-choice marks (all 0 for score "probability"), padding included.
+  for (int i = tid; i < padded; i += threads) s_mark[i] = 0;
+  __syncthreads();
+  if (gates)
+    for (int64_t t = tid; t < p.T; t += threads)
+      if (p.ws.first[t] >= 0) s_mark[p.ws.first[t]] = 1;
   for (int i = tid; i < padded; i += threads) {
     s_key[i] = i < N ? s_score[i] : -1.0;  // scores are >= 0: padding sorts last
     s_order[i] = i;
@@ -436,8 +477,9 @@ __device__ void budget_set_block(const Params& p, BudgetShared<kCap>& sh) {
         if (j <= i) continue;
         const double ki = s_key[i], kj = s_key[j];
         const int32_t oi = s_order[i], oj = s_order[j];
-        const bool j_first = kj > ki || (kj == ki && oj < oi);
-        const bool i_first = ki > kj || (ki == kj && oi < oj);
+        const int32_t fi = s_mark[oi], fj = s_mark[oj];  // the rank: (first desc, score desc, id asc)
+        const bool j_first = fj > fi || (fj == fi && (kj > ki || (kj == ki && oj < oi)));
+        const bool i_first = fi > fj || (fi == fj && (ki > kj || (ki == kj && oi < oj)));
         if ((i & size) == 0 ? j_first : i_first) {
           s_key[i] = kj;
           s_key[j] = ki;
@@ -721,6 +763,7 @@ void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t wo
   p.max_experts = args.budget.max_experts;
   p.policy = args.budget.policy;
   p.coverage = args.budget.coverage;
+  p.score = args.budget.score;
   p.width = args.softmax_vector_width;
   const int64_t total = T * N;
   p.sigmoid_tail = total - total % (2 * static_cast<int64_t>(args.softmax_vector_width));
@@ -730,6 +773,8 @@ void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t wo
   p.ws.nat_ids = reinterpret_cast<int32_t*>(base + layout.nat_ids);
   p.ws.prob = reinterpret_cast<float*>(base + layout.prob);
   p.ws.bad = reinterpret_cast<int32_t*>(base + layout.bad);
+  p.ws.nat_w = reinterpret_cast<float*>(base + layout.nat_w);
+  p.ws.first = reinterpret_cast<int32_t*>(base + layout.first);
 
   DeviceGuard guard(args.router_logits.device_index);
   cudaStream_t s = static_cast<cudaStream_t>(stream);

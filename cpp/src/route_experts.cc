@@ -81,6 +81,8 @@ void validate_route_experts(const RouteExpertsArgs& a, Device device) {
                     " experts is below top_k=", K, ": one token alone needs ", K, " experts");
   MOESPEC_CHECK_ARG(b.policy == BudgetPolicy::kSubstitution || b.policy == BudgetPolicy::kTruncation,
                     "budget.policy", "unknown policy ", static_cast<int>(b.policy));
+  MOESPEC_CHECK_ARG(b.score == BudgetScore::kProbability || b.score == BudgetScore::kGates, "budget.score",
+                    "unknown score ", static_cast<int>(b.score), " (0: probability, 1: gates)");
   MOESPEC_CHECK_ARG(b.coverage >= 0.0 && b.coverage <= 1.0, "budget.coverage",
                     "must be in (0, 1] (or 0 for off), got ", b.coverage);
   MOESPEC_CHECK_ARG(a.softmax_vector_width == 8 || a.softmax_vector_width == 16, "softmax_vector_width",
@@ -222,6 +224,8 @@ struct Scratch {
   std::vector<int32_t> nat_ids;   // [T, K] natural routing
   std::vector<Entry> queue;       // top-k scratch
   std::vector<double> score;      // [N] budget scores
+  std::vector<uint8_t> first;     // [N] score "gates": the first choice of some token
+  std::vector<float> nat_w;       // [K] one token's natural weights (score "gates")
   std::vector<int32_t> order;     // [N] experts by descending score
   std::vector<uint8_t> in_set;    // [N] budget set S, or union marks
   std::vector<int32_t> members;   // ids in S, ascending
@@ -410,17 +414,12 @@ class Router {
     const bool coverage = b.coverage > 0.0;
     if (!coverage && (budget >= N_ || natural <= budget)) return false;
 
-    s_.score.assign(N_, 0.0);
-    const float* w = a_.token_weights.defined() ? a_.token_weights.ptr<const float>() : nullptr;
-    for (int64_t t = 0; t < T_; ++t) {
-      const float* p = s_.prob.data() + t * N_;
-      const double wt = w ? static_cast<double>(w[t]) : 1.0;
-      for (int64_t e = 0; e < N_; ++e) s_.score[e] += wt * static_cast<double>(p[e]);
-    }
+    score_experts();
     s_.order.resize(N_);
     std::iota(s_.order.begin(), s_.order.end(), 0);
-    std::stable_sort(s_.order.begin(), s_.order.end(),
-                     [&](int32_t x, int32_t y) { return s_.score[x] > s_.score[y]; });
+    std::stable_sort(s_.order.begin(), s_.order.end(), [&](int32_t x, int32_t y) {
+      return s_.first[x] != s_.first[y] ? s_.first[x] > s_.first[y] : s_.score[x] > s_.score[y];
+    });
     if (coverage) {
       double total = 0.0;
       for (int64_t e = 0; e < N_; ++e) total += s_.score[e];
@@ -444,6 +443,33 @@ class Router {
     for (int64_t e = 0; e < N_; ++e)
       if (s_.in_set[e]) s_.members.push_back(static_cast<int32_t>(e));
     return true;
+  }
+
+  // The budget's scores s_.score (sums in token order) and first-choice marks s_.first (all 0 for
+  // score "probability"): header, step 1.
+  void score_experts() {
+    s_.score.assign(N_, 0.0);
+    s_.first.assign(N_, 0);
+    const float* w = a_.token_weights.defined() ? a_.token_weights.ptr<const float>() : nullptr;
+    const bool gates = a_.budget.score == BudgetScore::kGates;
+    s_.nat_w.resize(K_);
+    for (int64_t t = 0; t < T_; ++t) {
+      const double wt = w ? static_cast<double>(w[t]) : 1.0;
+      if (!gates) {
+        const float* p = s_.prob.data() + t * N_;
+        for (int64_t e = 0; e < N_; ++e) s_.score[e] += wt * static_cast<double>(p[e]);
+        continue;
+      }
+      const int32_t* nat = s_.nat_ids.data() + t * K_;
+      compute_weights(t, nat, s_.nat_w.data());
+      int64_t best = 0;
+      for (int64_t j = 0; j < K_; ++j) {
+        s_.score[nat[j]] += wt * static_cast<double>(s_.nat_w[j]);
+        const float wj = s_.nat_w[j], wb = s_.nat_w[best];
+        if (wj > wb || (wj == wb && nat[j] < nat[best])) best = j;
+      }
+      if (wt > 0.0) s_.first[nat[best]] = 1;
+    }
   }
 
   // Substitution: token t's top-K of the family's selection key restricted to S (no group limit).

@@ -92,6 +92,9 @@ void RouteExpertsFields::validate() const {
                     has_token_weights);
   MOESPEC_CHECK_ARG(softmax_vector_width == 8 || softmax_vector_width == 16, "softmax_vector_width",
                     "must be 8 or 16, got ", softmax_vector_width);
+  MOESPEC_CHECK_ARG(score == static_cast<int32_t>(BudgetScore::kProbability) ||
+                        score == static_cast<int32_t>(BudgetScore::kGates),
+                    "score", "must be 0 (probability) or 1 (gates), got ", score);
 }
 
 RouterSpec RouteExpertsFields::spec() const {
@@ -110,6 +113,7 @@ ExpertBudget RouteExpertsFields::budget() const {
   budget.max_experts = max_experts;
   budget.policy = static_cast<BudgetPolicy>(policy);
   budget.coverage = coverage;
+  budget.score = static_cast<BudgetScore>(score);
   return budget;
 }
 

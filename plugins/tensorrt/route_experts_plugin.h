@@ -18,6 +18,7 @@
 //   has_bias              0 | 1: input `bias` is present (deepseek_v3 only)
 //   has_token_weights     0 | 1: input `token_weights` is present
 //   softmax_vector_width  8 | 16 (default 16)
+//   score                 0 probability (MoE-Spec), 1 gates (BudgetScore; default 0)
 // Serialization is these same fields (getFieldsToSerialize), so createPlugin rebuilds the plugin
 // from what it serialized.
 #pragma once
@@ -68,6 +69,7 @@ struct RouteExpertsFields {
   int32_t has_bias = 0;
   int32_t has_token_weights = 0;
   int32_t softmax_vector_width = 16;
+  int32_t score = 0;
 
   // The field table (plugin_common.h): name and member, in serialization order.
   template <typename F, typename Visit>
@@ -84,6 +86,7 @@ struct RouteExpertsFields {
     v("has_bias", f.has_bias);
     v("has_token_weights", f.has_token_weights);
     v("softmax_vector_width", f.softmax_vector_width);
+    v("score", f.score);
   }
 
   // The checks that need no tensor shapes (those with N run in configurePlugin and the kernel).

@@ -44,7 +44,7 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
 )}
 POLICY_NAMES = tuple(POLICIES)
 POLICY_FORMS = ", ".join(n for n in POLICY_NAMES if not POLICIES[n].budgeted) + ", " + ", ".join(
-    f"{n} (with --budget) or {n}:<max experts>[:truncation][:coverage=<0..1>]" for n in POLICY_NAMES
+    f"{n} (with --budget) or {n}:<max experts>[:truncation][:gates][:coverage=<0..1>]" for n in POLICY_NAMES
     if POLICIES[n].budgeted)
 
 # The draft tree of a SpeculativeConfig when none is given (EAGLE-2's expansion: depth levels,
@@ -70,8 +70,9 @@ def default_policy(*, has_draft: bool, budget: Optional[object] = None) -> str:
 
 
 def parse_policy_text(text: str):
-    """``name`` or ``name:<max experts>[:<budget policy>][:coverage=<tau>]`` -> (PolicySpec, ExpertBudget
-    or None); ``coverage`` is MoE-Spec's probability mode (ExpertBudget.coverage)."""
+    """``name`` or ``name:<max experts>[:<budget policy>][:<score>][:coverage=<tau>]`` -> (PolicySpec,
+    ExpertBudget or None); the score is ``probability`` (MoE-Spec's, the default) or ``gates``
+    (ExpertBudget.score); ``coverage`` is MoE-Spec's probability mode (ExpertBudget.coverage)."""
     from moespec.ops import ExpertBudget
 
     name, _, arg = text.strip().partition(":")
@@ -81,7 +82,7 @@ def parse_policy_text(text: str):
     if not arg:
         return spec, None
     size, *options = arg.split(":")
-    mode, coverage = "substitution", None
+    mode, coverage, score = "substitution", None, "probability"
     try:
         for option in options:
             key, eq, value = option.partition("=")
@@ -89,8 +90,11 @@ def parse_policy_text(text: str):
                 coverage = float(value)
             elif not eq and option in ("substitution", "truncation"):
                 mode = option
+            elif not eq and option in ("probability", "gates"):
+                score = option
             else:
-                raise ValueError(f"unknown option {option!r} (expected truncation, substitution or coverage=<0..1>)")
-        return spec, ExpertBudget(int(size), mode, coverage)
+                raise ValueError(f"unknown option {option!r} (expected truncation, substitution, gates, probability "
+                                 f"or coverage=<0..1>)")
+        return spec, ExpertBudget(int(size), mode, coverage, score)
     except ValueError as exc:
         raise ValueError(f"policy {text!r}: {exc}") from None

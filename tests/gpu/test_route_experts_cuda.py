@@ -52,6 +52,8 @@ BUDGETS = {
     "truncation": lambda k, n: ExpertBudget(max(k, n // 8), "truncation"),
     "coverage": lambda k, n: ExpertBudget(max(k, n // 4), "substitution", coverage=0.6),
     "coverage_truncation": lambda k, n: ExpertBudget(n, "truncation", coverage=0.5),
+    "gates": lambda k, n: ExpertBudget(max(k, n // 8), "substitution", score="gates"),
+    "gates_coverage_truncation": lambda k, n: ExpertBudget(n, "truncation", coverage=0.6, score="gates"),
 }
 
 
@@ -212,7 +214,7 @@ def test_both_launch_paths_at_verify_sizes(fused, monkeypatch):
         for T in (1, 16, 64):
             for N in (64, 128, 256):
                 spec = FAMILIES[family](8)
-                for budget_name in ("none", "substitution", "truncation", "coverage"):
+                for budget_name in ("none", "substitution", "truncation", "coverage", "gates"):
                     seed = SEED + 7 * T + N
                     logits = make_logits(T, N, torch.bfloat16, seed)
                     bias = make_bias(N, seed) if spec.family == "deepseek_v3" else None
@@ -239,7 +241,7 @@ def routing_cases(draw):
     if draw(st.booleans()):
         coverage = draw(st.one_of(st.none(), st.sampled_from([0.3, 0.5, 0.8, 0.95, 1.0])))
         budget = ExpertBudget(draw(st.integers(k, n + 4)), draw(st.sampled_from(["substitution", "truncation"])),
-                              coverage)
+                              coverage, draw(st.sampled_from(["probability", "gates"])))
     seed = draw(st.integers(0, 2**31 - 1))
     logits = make_logits(t, n, dtype, seed)
     bias = make_bias(n, seed) if family == "deepseek_v3" and draw(st.booleans()) else None

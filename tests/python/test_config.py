@@ -24,6 +24,8 @@ def test_policies_are_compositions():
     ("eagle3+budget:12:truncation", "eagle3+budget", ExpertBudget(12, "truncation")),
     ("eagle3+budget:48:coverage=0.8", "eagle3+budget", ExpertBudget(48, coverage=0.8)),
     ("eagle3+budget:16:truncation:coverage=0.5", "eagle3+budget", ExpertBudget(16, "truncation", 0.5)),
+    ("eagle3+budget:12:gates", "eagle3+budget", ExpertBudget(12, score="gates")),
+    ("eco+budget:10:truncation:gates", "eco+budget", ExpertBudget(10, "truncation", score="gates")),
     ("eco", "eco", None), ("eco+budget:16", "eco+budget", ExpertBudget(16)),
 ])
 def test_parse(text, name, budget):
@@ -45,8 +47,8 @@ def test_defaults_and_messages():
     assert default_policy(has_draft=False) == "ar" and default_policy(has_draft=True) == "eagle3"
     assert default_policy(has_draft=True, budget=16) == "eagle3+budget"
     assert POLICY_FORMS == ("ar, eagle3, eco, eagle3+budget (with --budget) or eagle3+budget:<max experts>"
-                            "[:truncation][:coverage=<0..1>], eco+budget (with --budget) or eco+budget:<max experts>"
-                            "[:truncation][:coverage=<0..1>]")
+                            "[:truncation][:gates][:coverage=<0..1>], eco+budget (with --budget) or eco+budget:<max experts>"
+                            "[:truncation][:gates][:coverage=<0..1>]")
     with pytest.raises(ValueError, match="expected one of 'ar', 'eagle3', 'eagle3\\+budget', 'eco'"):
         policy_spec("ecospec")
 

@@ -42,7 +42,8 @@ def routing_cases(draw):
     budget = None
     if draw(st.booleans()):
         coverage = draw(st.one_of(st.none(), st.sampled_from([0.3, 0.5, 0.8, 0.95, 1.0])))
-        budget = ExpertBudget(draw(st.integers(k, n)), draw(st.sampled_from(["substitution", "truncation"])), coverage)
+        budget = ExpertBudget(draw(st.integers(k, n)), draw(st.sampled_from(["substitution", "truncation"])), coverage,
+                              draw(st.sampled_from(["probability", "gates"])))
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     scale = draw(st.sampled_from([0.01, 1.0, 4.0, 20.0]))
@@ -177,12 +178,45 @@ def test_token_weights_steer_the_budget():
     assert set(r.active.tolist()) == set(logits[7].topk(2).indices.tolist())
 
 
+def test_gates_score_ranks_the_experts_tokens_chose():
+    # Three tokens, top-1, no renormalisation: expert 3 holds 0.3 of every token's probability but
+    # is nobody's choice; the tokens choose experts 0, 1 and 2 with weights 0.5, 0.45 and 0.4.
+    prob = torch.tensor([[0.5, 0.1, 0.1, 0.3], [0.1, 0.45, 0.15, 0.3], [0.2, 0.1, 0.4, 0.3]])
+    logits, spec = prob.log(), RouterSpec("softmax", 1, False)
+    moe_spec = route_experts(logits, spec, ExpertBudget(2, score="probability"))
+    assert 3 in moe_spec.active.tolist()  # MoE-Spec keeps the summed probability's favourite
+    gates = route_experts(logits, spec, ExpertBudget(2, score="gates"))
+    assert gates.active.tolist() == [0, 1]  # the two heaviest choices; token 2 moves to its best of them
+    assert gates.ids[:, 0].tolist() == [0, 1, 0] and gates.stats.rerouted == 1
+
+
+@SETTINGS
+@given(routing_cases())
+def test_gates_score_keeps_every_first_choice_that_fits(case):
+    logits, spec, _, bias, _ = case
+    T, N = logits.shape
+    natural = route_experts(logits, spec, bias=bias)
+    w = natural.weights.masked_fill(natural.ids >= N, -1.0)
+    order = natural.ids.long().argsort(dim=-1)  # by id: argmax takes the lower id on equal weights
+    first = natural.ids.gather(1, order).gather(1, w.gather(1, order).argmax(dim=-1, keepdim=True))[:, 0]
+    distinct = first.unique()
+    budget = ExpertBudget(max(spec.top_k, distinct.numel()), score="gates")
+    r = route_experts(logits, spec, budget, bias)
+    assert set(distinct.tolist()) <= set(r.active.tolist())
+    # each token keeps its first choice, unless another expert ties with it in the selection key
+    x = logits.float()
+    key = {"softmax": lambda: x.softmax(-1), "gpt_oss": lambda: x,
+           "deepseek_v3": lambda: x.sigmoid() + (bias if bias is not None else 0.0)}[spec.family]()
+    alone = (key == key.gather(1, first[:, None].long())).sum(dim=-1) == 1
+    assert all(int(f) in row for f, row, a in zip(first, r.ids.tolist(), alone) if a)
+
+
 # ---- the torch custom op ----------------------------------------------------------------------
 
 
 def test_custom_op_is_registered_and_passes_opcheck():
     logits = torch.randn(6, 16)
-    args = (logits, None, None, 0, 2, True, 1, 1, 1.0, 4, 0, 0.0, 16)
+    args = (logits, None, None, 0, 2, True, 1, 1, 1.0, 4, 0, 0.0, 0, 16)
     torch.library.opcheck(route_experts_op, args)
     ids, weights, active, stats = torch.ops.moespec.route_experts(*args)
     ref = route_experts(logits, RouterSpec("softmax", 2, True), ExpertBudget(4))
@@ -218,6 +252,7 @@ def test_custom_op_traces_under_torch_compile():
         (lambda: route_experts(torch.randn(4, 16), RouterSpec("softmax", 8), ExpertBudget(4)), ValueError, "budget.max_experts: a budget of 4 experts is below top_k=8: one token alone needs 8 experts"),
         (lambda: ExpertBudget(0), ValueError, "ExpertBudget.max_experts: expected an int >= 1"),
         (lambda: ExpertBudget(8, "drop"), ValueError, "ExpertBudget.policy"),
+        (lambda: ExpertBudget(8, score="mass"), ValueError, "ExpertBudget.score: expected .probability. or .gates., got .mass."),
         (lambda: ExpertBudget(8, coverage=0.0), ValueError, r"ExpertBudget.coverage: expected a number in \(0, 1\]"),
         (lambda: ExpertBudget(8, coverage=1.5), ValueError, "ExpertBudget.coverage"),
         (lambda: ExpertBudget(8, coverage=math.nan), ValueError, "ExpertBudget.coverage"),

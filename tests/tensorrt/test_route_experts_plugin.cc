@@ -47,7 +47,7 @@ const RouteExpertsFields& fields_of(IPluginV3& p) { return dynamic_cast<RouteExp
 Fields softmax_fields() {
   Fields f;
   f.i32("family", 0).i32("top_k", 8).i32("renormalize", 1).i32("max_experts", 16).i32("policy", 1);
-  f.f32("coverage", 0.9f).i32("has_token_weights", 1).i32("softmax_vector_width", 8);
+  f.f32("coverage", 0.9f).i32("has_token_weights", 1).i32("softmax_vector_width", 8).i32("score", 1);
   return f;
 }
 Fields deepseek_fields() {
@@ -71,11 +71,11 @@ TEST(creator_metadata) {
   CHECK(std::string(c.getPluginVersion()) == "1");
   CHECK(std::string(c.getPluginNamespace()) == "moespec");
   const PluginFieldCollection* names = c.getFieldNames();
-  CHECK(names != nullptr && names->nbFields == 12);
+  CHECK(names != nullptr && names->nbFields == 13);
   const char* expected[] = {"family",   "top_k",       "renormalize", "n_group",
                             "topk_group", "scaling",  "max_experts", "policy",
-                            "coverage", "has_bias", "has_token_weights", "softmax_vector_width"};
-  for (int i = 0; names != nullptr && i < names->nbFields && i < 12; ++i) {
+                            "coverage", "has_bias", "has_token_weights", "softmax_vector_width", "score"};
+  for (int i = 0; names != nullptr && i < names->nbFields && i < 13; ++i) {
     CHECK_MSG(std::string(names->fields[i].name) == expected[i], names->fields[i].name);
     const bool is_float = std::string(expected[i]) == "scaling" || std::string(expected[i]) == "coverage";
     CHECK(names->fields[i].type == (is_float ? PluginFieldType::kFLOAT32 : PluginFieldType::kINT32));
@@ -284,7 +284,7 @@ TEST(serialization_round_trip) {
     CHECK(p != nullptr);
     if (!p) continue;
     const PluginFieldCollection* saved = runtime_of(*p)->getFieldsToSerialize();
-    CHECK(saved != nullptr && saved->nbFields == 12);  // every field, defaults included
+    CHECK(saved != nullptr && saved->nbFields == 13);  // every field, defaults included
     if (!saved) continue;
     // What TensorRT does when it deserializes an engine.
     auto q = create(saved, TensorRTPhase::kRUNTIME);
@@ -312,6 +312,7 @@ TEST(serialization_round_trip) {
   CHECK(p != nullptr && fields_of(*p).budget().coverage == static_cast<double>(0.9f));
   CHECK(p != nullptr && fields_of(*p).spec().renormalize);
   CHECK(p != nullptr && fields_of(*p).budget().policy == moespec::BudgetPolicy::kTruncation);
+  CHECK(p != nullptr && fields_of(*p).budget().score == moespec::BudgetScore::kGates);
 }
 
 TEST(clone_and_attach) {
@@ -352,6 +353,7 @@ TEST(bad_fields_are_refused) {
   add("unknown family 3", Fields().i32("family", 3).i32("top_k", 2), "family");
   add("unknown family -1", Fields().i32("family", -1).i32("top_k", 2), "family");
   add("unknown policy", Fields().i32("top_k", 2).i32("max_experts", 4).i32("policy", 2), "policy");
+  add("unknown score", Fields().i32("top_k", 2).i32("max_experts", 4).i32("score", 2), "score");
   add("coverage above 1", Fields().i32("top_k", 2).f32("coverage", 1.5f), "coverage");
   add("coverage NaN", Fields().i32("top_k", 2).f32("coverage", std::numeric_limits<float>::quiet_NaN()), "coverage");
   add("scaling inf", Fields().i32("top_k", 2).f32("scaling", std::numeric_limits<float>::infinity()), "scaling");

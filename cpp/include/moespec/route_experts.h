@@ -22,11 +22,16 @@
 // With a budget (MoE-Spec, applied to all T tokens of the call together):
 //   1. score s_e = sum_t w_t * p_te with p the family's full probability (softmax over all N for
 //      softmax and gpt_oss, sigmoid for deepseek_v3) and w_t the optional token weights (default 1);
-//   2. B_eff = max_experts, or with coverage c the smallest prefix of experts by descending score
-//      whose cumulative share reaches c (clamped to [K, N]) if that is smaller;
+//      experts ranked by (s_e desc, id asc) -- score "probability", MoE-Spec's;
+//      score "gates" (moespec's): s_e = sum_t w_t * g_te with g_te the token's natural routing
+//      weight on e (the family's weights of its top-K, 0 for an expert outside them), and the
+//      experts that are the first choice of some token with w_t > 0 (its natural slot of largest
+//      weight; ties: the lower id) rank before all others: (first choice desc, s_e desc, id asc);
+//   2. B_eff = max_experts, or with coverage c the smallest prefix of ranked experts whose
+//      cumulative share of the total score reaches c (clamped to [K, N]) if that is smaller;
 //   3. if the natural union of the tokens' experts has at most B_eff experts, or B_eff >= N, the
 //      routing is returned unchanged (exact);
-//   4. else S = the B_eff best experts by score (ties: lower id) and each token is re-routed:
+//   4. else S = the B_eff first experts of the ranking and each token is re-routed:
 //      substitution: a token whose natural experts all lie in S keeps them; any other token takes
 //      the top-K of the family's selection score restricted to S (no group limit);
 //      truncation: natural ids, slots outside S dropped (id N, weight 0);
@@ -62,6 +67,12 @@ enum class BudgetPolicy : int32_t {
   kTruncation = 1,
 };
 
+// How a budget ranks the experts of a call (step 1 above).
+enum class BudgetScore : int32_t {
+  kProbability = 0,  // MoE-Spec: full-probability mass summed over the tokens
+  kGates = 1,        // the tokens' own top-K weights summed, first choices first
+};
+
 struct RouterSpec {
   RouterFamily family = RouterFamily::kSoftmax;
   int32_t top_k = 1;
@@ -75,6 +86,7 @@ struct ExpertBudget {
   int32_t max_experts = 0;  // B; 0 = no budget; 0 < B < K is an error; B >= N caps nothing unless coverage is set
   BudgetPolicy policy = BudgetPolicy::kSubstitution;
   double coverage = 0.0;    // 0 = off; else in (0, 1]: keep the smallest mass-c prefix (<= B)
+  BudgetScore score = BudgetScore::kProbability;
 };
 
 struct RoutingStats {

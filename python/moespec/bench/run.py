@@ -149,7 +149,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class PolicyChoice:
-    label: str  # "ar", "eagle3", "eagle3+budget:16", "eagle3+budget:16:truncation"
+    label: str  # "ar", "eagle3", "eagle3+budget:16", "eagle3+budget:16:truncation", "eagle3+budget:12:gates"
     config: Any  # SpeculativeConfig
 
     @property
@@ -198,6 +198,7 @@ def parse_policy(text: Optional[str], engine: Engine, tree: dict[str, int],
                          f"got {text!r}")
     label = spec.name if cap is None else f"{spec.name}:{cap.max_experts}" + (
         f":{cap.policy}" if cap.policy != "substitution" else "") + (
+        f":{cap.score}" if cap.score != "probability" else "") + (
         f":coverage={cap.coverage}" if cap.coverage is not None else "")
     return PolicyChoice(label, SpeculativeConfig(spec.name, budget=cap, **tree))
 

@@ -44,7 +44,7 @@ PLUGIN_VERSION = "1"
 
 # Field names, in the plugins' serialization order (plugins/tensorrt/*_plugin.h).
 ROUTE_FIELDS = ("family", "top_k", "renormalize", "n_group", "topk_group", "scaling", "max_experts", "policy",
-                "coverage", "has_bias", "has_token_weights", "softmax_vector_width")
+                "coverage", "has_bias", "has_token_weights", "softmax_vector_width", "score")
 MOE_FIELDS = ("intermediate_size", "activation", "limit", "alpha", "has_biases")
 _PLUGIN_ATTRS = ("plugin_namespace", "plugin_version")
 _ACTIVATION_NAMES = {code: name for name, code in _ACTIVATION_CODES.items()}  # the activation field's codes
@@ -54,11 +54,11 @@ _FAMILY_NAMES = {code: name for name, code in _FAMILY_CODES.items()}  # the fami
 def route_fields(spec: RouterSpec, budget: Optional[ExpertBudget], has_bias: bool = False) -> dict[str, object]:
     """MoespecRouteExperts' fields for ``spec`` and ``budget`` (None: no budget); ``has_bias``: a
     selection bias comes as the second input (deepseek_v3's e_score_correction_bias)."""
-    max_experts, policy, coverage = budget_codes(budget)  # (the native ops' own codes)
+    max_experts, policy, coverage, score = budget_codes(budget)  # (the native ops' own codes)
     return {"family": _FAMILY_CODES[spec.family], "top_k": spec.top_k, "renormalize": int(spec.renormalize),
             "n_group": spec.n_group, "topk_group": spec.topk_group, "scaling": float(spec.scaling),
             "max_experts": max_experts, "policy": policy, "coverage": coverage,
-            "has_bias": int(has_bias), "has_token_weights": 0, "softmax_vector_width": 16}
+            "has_bias": int(has_bias), "has_token_weights": 0, "softmax_vector_width": 16, "score": score}
 
 
 def moe_fields(intermediate_size: int, activation: str = "swiglu", limit: float = 7.0, alpha: float = 1.702,
@@ -248,9 +248,9 @@ def reference_variant(node: onnx.NodeProto) -> str:
     reference bodies do not implement."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     if node.op_type == ROUTE:
-        if attrs["coverage"] != 0 or attrs["has_token_weights"]:
-            raise ValueError(f"{node.name}: the reference MoespecRouteExperts covers budgets without coverage or "
-                             f"token weights")
+        if attrs["coverage"] != 0 or attrs["has_token_weights"] or attrs.get("score", 0) != 0:
+            raise ValueError(f"{node.name}: the reference MoespecRouteExperts covers budgets without coverage, "
+                             f"token weights or the gates score")
         family = _FAMILY_NAMES.get(attrs["family"])
         if family is None or attrs["has_bias"] != (family == "deepseek_v3"):
             raise ValueError(f"{node.name}: the reference MoespecRouteExperts takes a bias exactly for the "

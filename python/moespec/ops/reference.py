@@ -59,13 +59,24 @@ def route_experts_reference(
     rerouted = dropped = 0
     if budget is not None:
         w = token_weights.double() if token_weights is not None else torch.ones(T, dtype=torch.float64)
+        if budget.score == "gates":  # the tokens' natural weights, [T, N] with zeros off their top-k
+            natural_weights = _family_weights(spec, natural, prob, router_logits)  # [T, K]
+            per_expert = torch.zeros(T, N, dtype=torch.float64).scatter_(1, natural, natural_weights.double())
+        else:
+            per_expert = prob.double()
         if exact_score_order:
             score = torch.zeros(N, dtype=torch.float64)
             for t in range(T):  # summed token by token, as the native code does
-                score += w[t] * prob[t].double()
+                score += w[t] * per_expert[t]
         else:
-            score = (w[:, None] * prob.double()).sum(0)  # [N]
+            score = (w[:, None] * per_expert).sum(0)  # [N]
         order = torch.sort(score, descending=True, stable=True).indices  # ties: lower id first
+        if budget.score == "gates":  # the first choices of the weighted tokens rank first
+            by_id, perm = natural.sort(dim=-1)  # slots by expert id: argmax takes the lower id on a tie
+            best = by_id.gather(1, natural_weights.gather(1, perm).argmax(dim=-1, keepdim=True))[:, 0]  # [T]
+            first = torch.zeros(N, dtype=torch.bool)
+            first[best[w > 0]] = True
+            order = order[torch.sort((~first[order]).to(torch.int8), stable=True).indices]
         B = min(budget.max_experts, N)
         if budget.coverage is not None:
             total = score.cumsum(0)[-1] if N else 0.0
@@ -89,7 +100,16 @@ def route_experts_reference(
                 dropped = int(outside.sum())
                 ids = natural.masked_fill(outside, N)
 
-    # The family's weights on the final slots; a dropped slot (id N) weighs 0.
+    weights = _family_weights(spec, ids, prob, router_logits)
+    kept = ids < N  # [T, K]
+    active = ids[kept].unique().to(torch.int32)  # sorted
+    stats = RoutingStats(natural_unique, active.numel(), rerouted, dropped)
+    return ids.to(torch.int32), weights, active, stats
+
+
+def _family_weights(spec: RouterSpec, ids: torch.Tensor, prob: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """The family's weights float32 [T, K] on the slots ``ids`` [T, K]; a dropped slot (id N) weighs 0."""
+    N = prob.shape[1]
     kept = ids < N  # [T, K]
     slot = ids.clamp(max=N - 1)
     if spec.family == "softmax":
@@ -106,10 +126,7 @@ def route_experts_reference(
         top = router_logits.gather(1, slot).masked_fill(~kept, float("-inf"))
         weights = torch.softmax(top, dim=1, dtype=top.dtype).float()
         weights = torch.where(kept.any(dim=-1, keepdim=True), weights, 0.0)
-
-    active = ids[kept].unique().to(torch.int32)  # sorted
-    stats = RoutingStats(natural_unique, active.numel(), rerouted, dropped)
-    return ids.to(torch.int32), weights.float(), active, stats
+    return weights.float()
 
 
 def moe_experts_reference(

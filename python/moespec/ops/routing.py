@@ -22,9 +22,11 @@ from moespec._tensor import view
 
 Family = Literal["softmax", "deepseek_v3", "gpt_oss"]
 Policy = Literal["substitution", "truncation"]
+Score = Literal["probability", "gates"]
 
 _FAMILY_CODES: dict[str, int] = {"softmax": 0, "deepseek_v3": 1, "gpt_oss": 2}
 _POLICY_CODES: dict[str, int] = {"substitution": 0, "truncation": 1}
+_SCORE_CODES: dict[str, int] = {"probability": 0, "gates": 1}
 
 
 @dataclass(frozen=True)
@@ -119,16 +121,22 @@ class ExpertBudget:
     coverage : float, optional
         In (0, 1]: keep only the smallest set of experts holding this share of the score mass
         (at least top_k, at most ``max_experts``).
+    score : {"probability", "gates"}
+        How the experts are ranked. probability (default, MoE-Spec's): each expert's full routing
+        probability summed over the tokens. gates (moespec's): each expert's weight in the tokens'
+        own top-k routing summed, and every token's first choice ranked before all other experts;
+        an expert no token chose scores 0.
 
     Examples
     --------
     >>> ExpertBudget(16)
-    ExpertBudget(max_experts=16, policy='substitution', coverage=None)
+    ExpertBudget(max_experts=16, policy='substitution', coverage=None, score='probability')
     """
 
     max_experts: int
     policy: Policy = "substitution"
     coverage: Optional[float] = None
+    score: Score = "probability"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_experts, int) or isinstance(self.max_experts, bool) or self.max_experts < 1:
@@ -137,6 +145,8 @@ class ExpertBudget:
             raise ValueError(f"ExpertBudget.policy: expected 'substitution' or 'truncation', got {self.policy!r}")
         if self.coverage is not None and not (isinstance(self.coverage, (int, float)) and 0.0 < self.coverage <= 1.0):
             raise ValueError(f"ExpertBudget.coverage: expected a number in (0, 1] or None, got {self.coverage!r}")
+        if self.score not in _SCORE_CODES:
+            raise ValueError(f"ExpertBudget.score: expected 'probability' or 'gates', got {self.score!r}")
 
 
 @dataclass(frozen=True)
@@ -182,11 +192,13 @@ class Routing:
 _SOFTMAX_VECTOR_WIDTH = 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
 
 
-def budget_codes(budget: Optional[ExpertBudget]) -> tuple[int, int, float]:
-    """An ExpertBudget as the native ops take it: (max_experts, policy code, coverage); 0s for none."""
+def budget_codes(budget: Optional[ExpertBudget]) -> tuple[int, int, float, int]:
+    """An ExpertBudget as the native ops take it: (max_experts, policy code, coverage, score code);
+    0s for none."""
     if budget is None:
-        return 0, 0, 0.0
-    return budget.max_experts, _POLICY_CODES[budget.policy], float(budget.coverage or 0.0)
+        return 0, 0, 0.0, 0
+    return (budget.max_experts, _POLICY_CODES[budget.policy], float(budget.coverage or 0.0),
+            _SCORE_CODES[budget.score])
 
 
 def softmax_vector_width() -> int:
@@ -210,6 +222,7 @@ def _route_experts_impl(
     max_experts: int,
     policy: int,
     coverage: float,
+    score: int,
     softmax_vector_width: int,
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -246,6 +259,7 @@ def _route_experts_impl(
         max_experts,
         policy,
         coverage,
+        score,
         softmax_vector_width,
         view(workspace, "workspace"),
         stream,
@@ -273,18 +287,19 @@ def route_experts_op(
     max_experts: int,
     policy: int,
     coverage: float,
+    score: int,
     softmax_vector_width: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch custom op ``moespec::route_experts`` (flat arguments; see :func:`route_experts`)."""
     return _route_experts_impl(
         router_logits, bias, token_weights, family, top_k, renormalize, n_group, topk_group, scaling,
-        max_experts, policy, coverage, softmax_vector_width,
+        max_experts, policy, coverage, score, softmax_vector_width,
     )
 
 
 @route_experts_op.register_fake
 def _route_experts_fake(router_logits, bias, token_weights, family, top_k, renormalize, n_group, topk_group,
-                        scaling, max_experts, policy, coverage, softmax_vector_width):
+                        scaling, max_experts, policy, coverage, score, softmax_vector_width):
     T, N = router_logits.shape
     new = router_logits.new_empty
     return (new((T, top_k), dtype=torch.int32), new((T, top_k), dtype=torch.float32),

@@ -437,7 +437,7 @@ class Eagle3Head(nn.Module):
         decoder.step(view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k.unsqueeze(0), "k_cache"),
                      view(cache.v.unsqueeze(0), "v_cache"), view(offsets, "offsets"),
                      view(start, "start"), view(mask, "mask"), None, None,
-                     view(logit_rows, "logit_rows"), view(logits, "logits"), None, 0, 0, 0.0,
+                     view(logit_rows, "logit_rows"), view(logits, "logits"), None, 0, 0, 0.0, 0,
                      slots=view(slots, "slots"), embed=view(embed, "embed"))
         return logits
 

@@ -3,7 +3,7 @@
     python -m moespec.tools.fuzz --calls 100000 [--seed 0] [--json report.json]
 
 Each call draws one of: ``route_experts`` (softmax or deepseek_v3 routing, with or without a
-budget, substitution or truncation, coverage) against :func:`moespec.ops.reference.route_experts_reference`;
+budget, substitution or truncation, coverage, probability or gates score) against :func:`moespec.ops.reference.route_experts_reference`;
 ``moe_experts`` (SwiGLU or GPT-OSS, fp32 or bf16, dropped and zero-weight slots) against
 :func:`moespec.ops.reference.moe_experts_reference`; the tree core's cost-aware selection
 (``select_cost_aware_native``) against its Python reference; and, one call in eight, an invalid
@@ -50,7 +50,8 @@ def _route_case(rng: np.random.Generator) -> float:
     budget = None
     if rng.random() < 0.7:
         coverage = float(rng.choice([0.5, 0.9])) if rng.random() < 0.2 else None
-        budget = ExpertBudget(_size(rng, K, N), str(rng.choice(["substitution", "truncation"])), coverage)
+        budget = ExpertBudget(_size(rng, K, N), str(rng.choice(["substitution", "truncation"])), coverage,
+                              str(rng.choice(["probability", "gates"])))
     logits = torch.from_numpy(rng.normal(0, 2, (T, N)).astype(np.float32))
     if rng.random() < 0.2 and T > 1:
         logits = torch.from_numpy(rng.normal(0, 2, (N, T)).astype(np.float32)).t()  # non-contiguous
