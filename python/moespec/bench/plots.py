@@ -1,7 +1,8 @@
 """PNG plots of ``moespec bench compare`` (matplotlib, Agg: no display needed).
 
-- :func:`pareto_plot`: speed-up against agreement with the unbudgeted greedy output, one point per
-  policy; the budget sweep's Pareto front (no other point is both faster and more faithful) joined.
+- :func:`pareto_plot`: speed-up against quality (the quality proxy ``d logp``, or where it was not
+  computed the agreement with the unbudgeted greedy output), one point per policy; the budget
+  sweep's Pareto front (no other point is both faster and more faithful) joined.
 - :func:`experts_plot`: unique experts per MoE layer per verify step by policy: the mean over layers
   (bars: kept, outlined: natural) and, beside it, each layer's mean kept count.
 
@@ -36,12 +37,15 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 def pareto_plot(rows: Sequence[dict[str, Any]], path: Union[str, Path], *, baseline: str = "ar") -> Path:
-    """Speed-up over ``baseline`` ("ar" or "eagle3") against the token match rate (agreement up to the
-    first divergence with the reference output), one labelled point per policy."""
+    """Speed-up over ``baseline`` ("ar" or "eagle3") against the quality proxy ``logprob_delta`` (d logp:
+    the reference continuation's mean log-probability under the policy's budget minus under none),
+    or, when a row lacks it (an interrupted run), the token match rate (agreement up to the first
+    divergence with the reference output); one labelled point per policy."""
     plt = _pyplot()
     key = f"speedup_vs_{baseline}"
     rows = [r for r in rows if r[key] is not None]
-    points = [(r["token_match_rate"], r[key]) for r in rows]
+    quality = "logprob_delta" if all(r.get("logprob_delta") is not None for r in rows) else "token_match_rate"
+    points = [(r[quality], r[key]) for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     for r, (x, y) in zip(rows, points):
         style = dict(marker="o", color="tab:blue") if r["budget"] is not None else dict(marker="s", color="tab:gray")
@@ -53,9 +57,10 @@ def pareto_plot(rows: Sequence[dict[str, Any]], path: Union[str, Path], *, basel
                 label="Pareto front")
         ax.legend(loc="lower left", fontsize=8)
     ax.axhline(1.0, color="black", linewidth=0.6)
-    ax.set_xlabel("token match rate with the unbudgeted greedy output")
+    ax.set_xlabel("quality proxy d logp (per token; 0: exact)" if quality == "logprob_delta"
+                  else "token match rate with the unbudgeted greedy output")
     ax.set_ylabel(f"speed-up over {baseline} (output tokens/s)")
-    ax.set_title("Expert budget sweep: speed-up against agreement")
+    ax.set_title("Expert budget sweep: speed-up against quality")
     ax.grid(alpha=0.3)
     return _save(plt, fig, path)
 

@@ -322,12 +322,14 @@ def format_compare(c: dict[str, Any]) -> str:
                 f"({e['byte_profile']['ratio']:.2f}x)\n" if e.get("byte_profile") else "")
              + f"Reference Policy:     {c['reference_policy']} (greedy; agreement and logp are against it)\n"
              + RULE + "\n")
+    label_width = max([18] + [len(row["label"]) for row in c["policies"]])  # the policy column fits its labels
+    columns = [(h, key, f"<{label_width}" if key == "label" else f) for h, key, f in COMPARE_COLUMNS]
     head = "  ".join(f"{h:{'<' if f.startswith('<') else '>'}{''.join(ch for ch in f.split('.')[0] if ch.isdigit())}}"
-                     for h, _, f in COMPARE_COLUMNS)
+                     for h, _, f in columns)
     text += head + "\n" + "-" * len(head) + "\n"
     for row in c["policies"]:
         cells = []
-        for _, key, fmt in COMPARE_COLUMNS:
+        for _, key, fmt in columns:
             cell = _cell(row[key], fmt)
             if key == "kept_unique_per_layer" and row.get("experts_estimated"):
                 cell = cell[1:] + "*"
