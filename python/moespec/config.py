@@ -73,28 +73,34 @@ def parse_policy_text(text: str):
     """``name`` or ``name:<max experts>[:<budget policy>][:<score>][:coverage=<tau>]`` -> (PolicySpec,
     ExpertBudget or None); the score is ``probability`` (MoE-Spec's, the default) or ``gates``
     (ExpertBudget.score); ``coverage`` is MoE-Spec's probability mode (ExpertBudget.coverage)."""
-    from moespec.ops import ExpertBudget
-
     name, _, arg = text.strip().partition(":")
     spec = POLICIES.get(name)
     if spec is None or (arg and not spec.budgeted):
         raise ValueError(f"unknown policy {text!r}: expected {POLICY_FORMS}")
     if not arg:
         return spec, None
-    size, *options = arg.split(":")
-    mode, coverage, score = "substitution", None, "probability"
     try:
-        for option in options:
-            key, eq, value = option.partition("=")
-            if eq and key == "coverage":
-                coverage = float(value)
-            elif not eq and option in ("substitution", "truncation"):
-                mode = option
-            elif not eq and option in ("probability", "gates"):
-                score = option
-            else:
-                raise ValueError(f"unknown option {option!r} (expected truncation, substitution, gates, probability "
-                                 f"or coverage=<0..1>)")
-        return spec, ExpertBudget(int(size), mode, coverage, score)
+        return spec, parse_budget_text(arg)
     except ValueError as exc:
         raise ValueError(f"policy {text!r}: {exc}") from None
+
+
+def parse_budget_text(text: str):
+    """``<max experts>[:<budget policy>][:<score>][:coverage=<tau>]`` -> ExpertBudget (the budget part
+    of a policy string, and vLLM's ``MOESPEC_BUDGET``); ValueError naming the bad part."""
+    from moespec.ops import ExpertBudget
+
+    size, *options = text.strip().split(":")
+    mode, coverage, score = "substitution", None, "probability"
+    for option in options:
+        key, eq, value = option.partition("=")
+        if eq and key == "coverage":
+            coverage = float(value)
+        elif not eq and option in ("substitution", "truncation"):
+            mode = option
+        elif not eq and option in ("probability", "gates"):
+            score = option
+        else:
+            raise ValueError(f"unknown option {option!r} (expected truncation, substitution, gates, probability "
+                             f"or coverage=<0..1>)")
+    return ExpertBudget(int(size), mode, coverage, score)

@@ -65,3 +65,14 @@ def test_report_schemas_name_every_registered_policy():
         enums = [json.loads(part.split("]")[0] + "]") for part in text.split('"policy": {"enum": ')[1:]]
         decoding = [e for e in enums if "ar" in e]  # (the budget's own "policy" enum is another field)
         assert decoding and all(tuple(e) == POLICY_NAMES for e in decoding), name
+
+
+def test_vllm_budget_variable_is_a_policy_strings_budget():
+    from moespec.integrations.vllm.budget import budget_from_env
+
+    assert budget_from_env("16") == ExpertBudget(16)
+    assert budget_from_env("12:truncation:gates") == ExpertBudget(12, "truncation", score="gates")
+    assert budget_from_env("48:gates:coverage=0.9") == ExpertBudget(48, coverage=0.9, score="gates")
+    assert budget_from_env(" ") is None
+    with pytest.raises(ValueError, match="MOESPEC_BUDGET='12:fast'.*unknown option 'fast'"):
+        budget_from_env("12:fast")

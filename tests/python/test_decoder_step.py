@@ -260,7 +260,7 @@ def test_bad_step_arguments_are_value_errors(pairs):
                  stats=torch.empty(len(c.moe_layers), 4, dtype=torch.int32))
         a.update(edit)
         alive.append(a)
-        return [view(v, k) for k, v in a.items()] + [0, 0, 0.0]
+        return [view(v, k) for k, v in a.items()] + [0, 0, 0.0, 0]
 
     decoder.step(*args())  # a valid call runs
     for edit, match in [
@@ -276,7 +276,7 @@ def test_bad_step_arguments_are_value_errors(pairs):
         with pytest.raises(ValueError, match=match):
             decoder.step(*args(**edit))
     with pytest.raises(ValueError, match="budget.max_experts"):
-        decoder.step(*args()[:-3], c.moe.top_k - 1, 0, 0.0)
+        decoder.step(*args()[:-4], c.moe.top_k - 1, 0, 0.0, 0)
 
 
 def test_float32_logits_of_a_bf16_model_are_its_bf16_logits_widened(pairs):
@@ -296,7 +296,7 @@ def test_float32_logits_of_a_bf16_model_are_its_bf16_logits_widened(pairs):
                  start=torch.tensor([0], dtype=torch.int32), mask=torch.tensor([[1], [3]], dtype=torch.int32),
                  taps=None, tap_out=None, logit_rows=torch.tensor([0, 1], dtype=torch.int32), logits=logits,
                  stats=torch.empty(len(c.moe_layers), 4, dtype=torch.int32))
-        native.backend.decoder.step(*[view(v, k) for k, v in a.items()], 0, 0, 0.0)
+        native.backend.decoder.step(*[view(v, k) for k, v in a.items()], 0, 0, 0.0, 0)
         return logits
 
     bf16, f32 = step(torch.empty(P, c.vocab_size, dtype=torch.bfloat16)), step(torch.empty(P, c.vocab_size))

@@ -14,7 +14,7 @@ import math
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 
 from moespec._loader import native
 from moespec.ops import ExpertBudget, RouterSpec, route_experts, route_experts_op
@@ -194,6 +194,9 @@ def test_gates_score_ranks_the_experts_tokens_chose():
 @given(routing_cases())
 def test_gates_score_keeps_every_first_choice_that_fits(case):
     logits, spec, _, bias, _ = case
+    # (DeepSeek-V3 substitutes by its biased, group-free selection key, which can rank other experts
+    # of the set above a token's heaviest one: there the set holds the first choices, not the slots.)
+    assume(spec.family != "deepseek_v3" or (bias is None and spec.n_group == 1))
     T, N = logits.shape
     natural = route_experts(logits, spec, bias=bias)
     w = natural.weights.masked_fill(natural.ids >= N, -1.0)
@@ -202,7 +205,6 @@ def test_gates_score_keeps_every_first_choice_that_fits(case):
     distinct = first.unique()
     budget = ExpertBudget(max(spec.top_k, distinct.numel()), score="gates")
     r = route_experts(logits, spec, budget, bias)
-    assert set(distinct.tolist()) <= set(r.active.tolist())
     # each token keeps its first choice, unless another expert ties with it in the selection key
     x = logits.float()
     key = {"softmax": lambda: x.softmax(-1), "gpt_oss": lambda: x,

@@ -21,7 +21,7 @@ import torch
 from moespec._loader import native
 from moespec.ops import ExpertBudget, RouterSpec, route_experts
 from moespec.ops.reference import route_experts_reference
-from moespec.ops.routing import _FAMILY_CODES, _POLICY_CODES, softmax_vector_width
+from moespec.ops.routing import _FAMILY_CODES, budget_codes, softmax_vector_width
 
 
 def _time_per_call(fn, min_seconds: float = 0.02) -> float:
@@ -44,8 +44,8 @@ def bench(tokens=(1, 16, 64), experts=(64, 128, 256), top_k=8, budget=16, repeat
     for T in tokens:
         for N in experts:
             logits = torch.randn(T, N, device=device)
-            op_args = (logits, None, None, _FAMILY_CODES["softmax"], top_k, True, 1, 1, 1.0, budget,
-                       _POLICY_CODES["substitution"], 0.0, softmax_vector_width())
+            op_args = (logits, None, None, _FAMILY_CODES["softmax"], top_k, True, 1, 1, 1.0, *budget_codes(b),
+                       softmax_vector_width())
             impls = {
                 "native": lambda: route_experts(logits, spec, b),
                 "torch.ops": lambda: torch.ops.moespec.route_experts(*op_args),

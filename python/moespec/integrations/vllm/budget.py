@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from moespec.config import parse_budget_text
 from moespec.ops import ExpertBudget, RouterSpec, RoutingStats, route_experts
 
 logger = logging.getLogger("moespec.vllm")
@@ -39,15 +40,16 @@ _STATE = {"verify": False, "passes": 0, "budget": None}  # the pass's mark, the 
 
 
 def budget_from_env(value: Optional[str] = None) -> Optional[ExpertBudget]:
-    """``MOESPEC_BUDGET`` ("16", "16:truncation") as an ExpertBudget; None when unset or empty."""
+    """``MOESPEC_BUDGET`` ("16", "16:truncation", "12:gates", "48:gates:coverage=0.9": a policy string's
+    budget part, :func:`moespec.config.parse_budget_text`) as an ExpertBudget; None when unset or empty."""
     value = os.environ.get("MOESPEC_BUDGET", "") if value is None else value
     if not value.strip():
         return None
-    count, _, policy = value.strip().partition(":")
     try:
-        return ExpertBudget(int(count), policy or "substitution")
+        return parse_budget_text(value)
     except ValueError as exc:
-        raise ValueError(f"MOESPEC_BUDGET={value!r}: expected B or B:substitution|truncation ({exc})") from None
+        raise ValueError(f"MOESPEC_BUDGET={value!r}: expected B[:substitution|truncation][:gates][:coverage=<0..1>] "
+                         f"({exc})") from None
 
 
 def router_spec(router) -> Optional[RouterSpec]:
