@@ -113,7 +113,7 @@ run_bench() {
   log "moespec bench compare (policies interleaved request by request)"
   MOESPEC_HARDWARE="$out/hardware.json" "$VENV/bin/moespec" bench compare --engine "$engine" \
     --dataset "$out/default-mix.jsonl" --out-dir "$out/compare" \
-    --policies "${BENCH_POLICIES:-ar,eagle3,eagle3+budget:24,eagle3+budget:16,eagle3+budget:12,eagle3+budget:10,eagle3+budget:16:gates,eagle3+budget:12:gates,eagle3+budget:10:gates,eagle3+budget:48:gates:coverage=0.9,eagle3+budget:48:gates:coverage=0.8,eco,eco+budget:16}"
+    --policies "${BENCH_POLICIES:-ar,eagle3,eagle3+budget:24,eagle3+budget:16,eagle3+budget:12,eagle3+budget:10,eagle3+budget:12:gates,eagle3+budget:10:gates,eagle3+budget:12:gates:exact=1,eagle3+budget:10:gates:exact=1,eagle3+budget:48:gates:coverage=0.9,eagle3+budget:48:gates:coverage=0.8:exact=1,eco,eco+budget:16}"
 }
 
 run_sanitize() {

@@ -88,7 +88,7 @@ void bind_decoder_step(py::module_& m) {
              const py::object& mask, const py::object& taps, const py::object& tap_out, const py::object& logit_rows,
              const py::object& logits, const py::object& stats, int max_experts, int policy, double coverage,
              int score, const py::object& slots, const py::object& embed, const py::object& trace_ids,
-             const py::object& trace_weights) {
+             const py::object& trace_weights, int exact_layers) {
             DecoderStepArgs a;
             a.x = to_view(x, "x");
             a.cos = to_view(cos, "cos");
@@ -112,6 +112,8 @@ void bind_decoder_step(py::module_& m) {
             a.budget.policy = static_cast<BudgetPolicy>(policy);
             a.budget.coverage = coverage;
             a.budget.score = static_cast<BudgetScore>(score);
+            MOESPEC_CHECK_ARG(exact_layers >= 0, "exact_layers", "must be >= 0, got ", exact_layers);
+            a.exact_layers = exact_layers;
             py::gil_scoped_release release;
             model.step(a);
           },
@@ -119,12 +121,13 @@ void bind_decoder_step(py::module_& m) {
           "offsets int32 [B+1], start int32 [B], mask int32 [P, W], taps int32 [NT] -> tap_out [NT, P, H], "
           "logit_rows int32 [R] -> logits [R, V], stats int32 [Lm, 4]; optional slots int32 [P] (slot offsets past "
           "start), embed [P, H] (layers with an embed_norm) and the routing trace trace_ids int32 / trace_weights "
-          "float32 [Lm, P, K] (natural routing, written when given).",
+          "float32 [Lm, P, K] (natural routing, written when given); exact_layers: the first MoE layers run without the "
+          "budget.",
           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("offsets"),
           py::arg("start"), py::arg("mask"), py::arg("taps"), py::arg("tap_out"), py::arg("logit_rows"),
           py::arg("logits"), py::arg("stats"), py::arg("max_experts"), py::arg("policy"), py::arg("coverage"),
           py::arg("score"), py::arg("slots") = py::none(), py::arg("embed") = py::none(),
-          py::arg("trace_ids") = py::none(), py::arg("trace_weights") = py::none())
+          py::arg("trace_ids") = py::none(), py::arg("trace_weights") = py::none(), py::arg("exact_layers") = 0)
       .def("set_profiling", &DecoderModel::set_profiling, "Turns per-phase timing of steps on or off.",
            py::arg("on"))
       .def(

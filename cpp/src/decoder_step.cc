@@ -702,13 +702,13 @@ void DecoderModel::step(const DecoderStepArgs& a) {
       ra.stats = TensorView::contiguous(a.stats.ptr<int32_t>() + moe_index * kRoutingStatsSize, DType::kInt32,
                                         {kRoutingStatsSize});
       ra.spec = s.router;
-      ra.budget = a.budget;
+      ra.budget = moe_index < a.exact_layers ? ExpertBudget{} : a.budget;
       ra.softmax_vector_width = s.softmax_vector_width;
       cpu::route_experts(ra);
       if (tracing) {  // the natural routing: what was run, or (with a budget) a second, unbudgeted routing
         int32_t* t_ids = a.trace_ids.ptr<int32_t>() + moe_index * P * K;
         float* t_weights = a.trace_weights.ptr<float>() + moe_index * P * K;
-        if (a.budget.max_experts > 0) {
+        if (ra.budget.max_experts > 0) {
           RouteExpertsArgs na = ra;
           na.budget = ExpertBudget{};
           na.ids = TensorView::contiguous(t_ids, DType::kInt32, {P, K});

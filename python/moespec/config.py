@@ -44,7 +44,7 @@ POLICIES: dict[str, PolicySpec] = {p.name: p for p in (
 )}
 POLICY_NAMES = tuple(POLICIES)
 POLICY_FORMS = ", ".join(n for n in POLICY_NAMES if not POLICIES[n].budgeted) + ", " + ", ".join(
-    f"{n} (with --budget) or {n}:<max experts>[:truncation][:gates][:coverage=<0..1>]" for n in POLICY_NAMES
+    f"{n} (with --budget) or {n}:<max experts>[:truncation][:gates][:coverage=<0..1>][:exact=<layers>]" for n in POLICY_NAMES
     if POLICIES[n].budgeted)
 
 # The draft tree of a SpeculativeConfig when none is given (EAGLE-2's expansion: depth levels,
@@ -86,21 +86,23 @@ def parse_policy_text(text: str):
 
 
 def parse_budget_text(text: str):
-    """``<max experts>[:<budget policy>][:<score>][:coverage=<tau>]`` -> ExpertBudget (the budget part
-    of a policy string, and vLLM's ``MOESPEC_BUDGET``); ValueError naming the bad part."""
+    """``<max experts>[:<budget policy>][:<score>][:coverage=<tau>][:exact=<n>]`` -> ExpertBudget (the
+    budget part of a policy string, and vLLM's ``MOESPEC_BUDGET``); ValueError naming the bad part."""
     from moespec.ops import ExpertBudget
 
     size, *options = text.strip().split(":")
-    mode, coverage, score = "substitution", None, "probability"
+    mode, coverage, score, exact = "substitution", None, "probability", 0
     for option in options:
         key, eq, value = option.partition("=")
         if eq and key == "coverage":
             coverage = float(value)
+        elif eq and key == "exact":
+            exact = int(value)
         elif not eq and option in ("substitution", "truncation"):
             mode = option
         elif not eq and option in ("probability", "gates"):
             score = option
         else:
-            raise ValueError(f"unknown option {option!r} (expected truncation, substitution, gates, probability "
-                             f"or coverage=<0..1>)")
-    return ExpertBudget(int(size), mode, coverage, score)
+            raise ValueError(f"unknown option {option!r} (expected truncation, substitution, gates, probability, "
+                             f"coverage=<0..1> or exact=<layers>)")
+    return ExpertBudget(int(size), mode, coverage, score, exact)

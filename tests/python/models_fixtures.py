@@ -162,8 +162,9 @@ def hf_tree_logits(hf, prompt: list[int], tree: list[int], parents: list[int], b
 def budgeted_moe_blocks(hf, budget, record: Optional[list] = None) -> list:
     """Patches every MoE block of a transformers model to route with the plain-torch reference of the
     budget semantics (moespec.ops.reference) on the tokens of each call; transformers' eager experts
-    then skip dropped slots (id N); a shared expert (Qwen2-MoE) runs as transformers runs it. Appends each call's RoutingStats to ``record``. Returns the
-    patched blocks (``del block.forward`` restores one)."""
+    then skip dropped slots (id N); a shared expert (Qwen2-MoE) runs as transformers runs it. The first
+    ``budget.exact_layers`` MoE blocks route without the budget. Appends each call's RoutingStats to
+    ``record``. Returns the patched blocks (``del block.forward`` restores one)."""
     from moespec.ops import RouterSpec
     from moespec.ops.reference import route_experts_reference
 
@@ -174,11 +175,11 @@ def budgeted_moe_blocks(hf, budget, record: Optional[list] = None) -> list:
         if block is None or not hasattr(block, "experts"):
             continue
 
-        def forward(hidden_states, block=block):
+        def forward(hidden_states, block=block, exact=len(blocks) < budget.exact_layers):
             B, T, H = hidden_states.shape
             x = hidden_states.reshape(-1, H)
             logits = torch.nn.functional.linear(x, block.gate.weight)
-            ids, weights, _, stats = route_experts_reference(logits, spec, budget)
+            ids, weights, _, stats = route_experts_reference(logits, spec, None if exact else budget)
             if record is not None:
                 record.append(stats)
             if hf.config.model_type != "mixtral":

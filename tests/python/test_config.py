@@ -26,6 +26,8 @@ def test_policies_are_compositions():
     ("eagle3+budget:16:truncation:coverage=0.5", "eagle3+budget", ExpertBudget(16, "truncation", 0.5)),
     ("eagle3+budget:12:gates", "eagle3+budget", ExpertBudget(12, score="gates")),
     ("eco+budget:10:truncation:gates", "eco+budget", ExpertBudget(10, "truncation", score="gates")),
+    ("eagle3+budget:48:gates:coverage=0.8:exact=1", "eagle3+budget",
+     ExpertBudget(48, coverage=0.8, score="gates", exact_layers=1)),
     ("eco", "eco", None), ("eco+budget:16", "eco+budget", ExpertBudget(16)),
 ])
 def test_parse(text, name, budget):
@@ -47,8 +49,8 @@ def test_defaults_and_messages():
     assert default_policy(has_draft=False) == "ar" and default_policy(has_draft=True) == "eagle3"
     assert default_policy(has_draft=True, budget=16) == "eagle3+budget"
     assert POLICY_FORMS == ("ar, eagle3, eco, eagle3+budget (with --budget) or eagle3+budget:<max experts>"
-                            "[:truncation][:gates][:coverage=<0..1>], eco+budget (with --budget) or eco+budget:<max experts>"
-                            "[:truncation][:gates][:coverage=<0..1>]")
+                            "[:truncation][:gates][:coverage=<0..1>][:exact=<layers>], eco+budget (with --budget) or "
+                            "eco+budget:<max experts>[:truncation][:gates][:coverage=<0..1>][:exact=<layers>]")
     with pytest.raises(ValueError, match="expected one of 'ar', 'eagle3', 'eagle3\\+budget', 'eco'"):
         policy_spec("ecospec")
 
@@ -76,3 +78,5 @@ def test_vllm_budget_variable_is_a_policy_strings_budget():
     assert budget_from_env(" ") is None
     with pytest.raises(ValueError, match="MOESPEC_BUDGET='12:fast'.*unknown option 'fast'"):
         budget_from_env("12:fast")
+    with pytest.raises(ValueError, match="MOESPEC_BUDGET='12:exact=1': exact=<layers> is not supported in vLLM"):
+        budget_from_env("12:exact=1")

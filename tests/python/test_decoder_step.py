@@ -177,12 +177,13 @@ def test_long_prompts_do_not_depend_on_their_batch_or_the_threads(pairs):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-@pytest.mark.parametrize("policy", ["substitution", "truncation"])
+@pytest.mark.parametrize("policy,score,exact", [("substitution", "probability", 0), ("truncation", "probability", 0),
+                                                ("substitution", "gates", 1)])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_budgeted_verify_matches_the_reference(family, policy, pairs):
+def test_budgeted_verify_matches_the_reference(family, policy, score, exact, pairs):
     native, ref = pairs[family, "fp32"]
     E, K = native.config.moe.num_experts, native.config.moe.top_k
-    budget = ExpertBudget(max(K, E // 3), policy)
+    budget = ExpertBudget(max(K, E // 3), policy, score=score, exact_layers=exact)
     cn, cr = native.new_cache(2, 64), ref.new_cache(2, 64)
     prompts = [_prompt(6, 6), _prompt(4, 7)]
     native.prefill(cn, prompts)
@@ -191,7 +192,8 @@ def test_budgeted_verify_matches_the_reference(family, policy, pairs):
     a = native.verify(cn, trees, parents, budget=budget)
     b = ref.verify(cr, trees, parents, budget=budget)
     assert torch.equal(a.expert_stats, b.expert_stats)
-    assert (a.expert_stats[:, 1] <= budget.max_experts).all()
+    assert (a.expert_stats[exact:, 1] <= budget.max_experts).all()
+    assert torch.equal(a.expert_stats[:exact, 1], a.expert_stats[:exact, 0])  # the exact layers keep their experts
     assert_close(a.logits[0, :5], b.logits[0, :5])
     assert_close(a.logits[1, :3], b.logits[1, :3])
 

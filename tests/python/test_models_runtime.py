@@ -231,11 +231,12 @@ def test_budget_at_least_n_is_the_exact_verify(family, models):
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-@pytest.mark.parametrize("policy", ["substitution", "truncation"])
-def test_budget_equals_the_reference_semantics_layer_by_layer(family, policy, models, refs):
+@pytest.mark.parametrize("policy,score,exact", [("substitution", "probability", 0), ("truncation", "probability", 0),
+                                                ("substitution", "gates", 0), ("truncation", "gates", 1)])
+def test_budget_equals_the_reference_semantics_layer_by_layer(family, policy, score, exact, models, refs):
     model, hf = models[family], refs[family]
     K = model.config.moe.top_k
-    budget = ExpertBudget(max(K, 3), policy)
+    budget = ExpertBudget(K if exact else max(K, 3), policy, score=score, exact_layers=exact)  # (binds after exact)
     prompt = _prompt(6, 8)
     tokens, parents = [30, 31, 32, 33, 34, 35, 36, 37], [-1, 0, 0, 1, 1, 2, 3, 3]
     cache = model.new_cache(1, 32)
@@ -246,7 +247,8 @@ def test_budget_equals_the_reference_semantics_layer_by_layer(family, policy, mo
     assert_close(out.logits[0], want)
     stats = out.expert_stats_by_layer()
     assert stats == record  # natural, kept, re-routed and dropped per MoE layer
-    assert all(s.kept <= budget.max_experts for s in stats)
+    assert all(s.kept <= budget.max_experts for s in stats[exact:])
+    assert all(s.kept == s.natural_unique and s.rerouted == s.dropped == 0 for s in stats[:exact])
     assert any(s.rerouted + s.dropped > 0 for s in stats), "the budget should bind on this tree"
 
 

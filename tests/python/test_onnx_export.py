@@ -105,7 +105,7 @@ def check_prefill_then_tree(model, budget, batch: int = 1) -> None:
     if c.moe is not None:
         assert got["expert_stats"].tolist() == want.expert_stats.tolist()
         if budget is not None:
-            assert (got["expert_stats"][:, 1] <= budget.max_experts).all()
+            assert (got["expert_stats"][budget.exact_layers:, 1] <= budget.max_experts).all()
 
 
 @pytest.mark.parametrize("family", ALL)
@@ -121,6 +121,15 @@ def test_network_equals_the_runtime(models, family):
 def test_budgeted_network_equals_the_budgeted_runtime(models, family, policy):
     budget = ExpertBudget(5, policy)
     check_prefill_then_tree(models[family], budget)
+
+
+def test_exact_layers_export_unbudgeted_route_fields(models):
+    model = models["qwen3_moe"]
+    proto = export_verify(model.config, model.weights, budget=ExpertBudget(5, exact_layers=1))
+    routes = [n for n in proto.graph.node if n.op_type == ROUTE]
+    budgets = [next(a.i for a in n.attribute if a.name == "max_experts") for n in routes]
+    assert budgets == [0] + [5] * (len(routes) - 1)  # the first MoE layer runs without the budget
+    check_prefill_then_tree(model, ExpertBudget(5, exact_layers=1))
 
 
 def test_batch_of_two_trees(models):

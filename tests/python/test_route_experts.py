@@ -255,6 +255,7 @@ def test_custom_op_traces_under_torch_compile():
         (lambda: ExpertBudget(0), ValueError, "ExpertBudget.max_experts: expected an int >= 1"),
         (lambda: ExpertBudget(8, "drop"), ValueError, "ExpertBudget.policy"),
         (lambda: ExpertBudget(8, score="mass"), ValueError, "ExpertBudget.score: expected .probability. or .gates., got .mass."),
+        (lambda: ExpertBudget(8, exact_layers=-1), ValueError, "ExpertBudget.exact_layers: expected an int >= 0, got -1"),
         (lambda: ExpertBudget(8, coverage=0.0), ValueError, r"ExpertBudget.coverage: expected a number in \(0, 1\]"),
         (lambda: ExpertBudget(8, coverage=1.5), ValueError, "ExpertBudget.coverage"),
         (lambda: ExpertBudget(8, coverage=math.nan), ValueError, "ExpertBudget.coverage"),

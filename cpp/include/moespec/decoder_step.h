@@ -110,6 +110,7 @@ struct DecoderStepArgs {
   TensorView trace_ids;      // out [Lm, P, K] int32
   TensorView trace_weights;  // out [Lm, P, K] float32
   ExpertBudget budget;    // max_experts 0: no budget
+  int32_t exact_layers = 0;  // the first exact_layers MoE layers run without the budget
 };
 
 // The phases a step's time is split into when profiling (DecoderModel::profile).

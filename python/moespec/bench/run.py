@@ -199,7 +199,8 @@ def parse_policy(text: Optional[str], engine: Engine, tree: dict[str, int],
     label = spec.name if cap is None else f"{spec.name}:{cap.max_experts}" + (
         f":{cap.policy}" if cap.policy != "substitution" else "") + (
         f":{cap.score}" if cap.score != "probability" else "") + (
-        f":coverage={cap.coverage}" if cap.coverage is not None else "")
+        f":coverage={cap.coverage}" if cap.coverage is not None else "") + (
+        f":exact={cap.exact_layers}" if cap.exact_layers else "")
     return PolicyChoice(label, SpeculativeConfig(spec.name, budget=cap, **tree))
 
 

@@ -194,8 +194,9 @@ class _Exporter:
         o = g.op("Reshape", g.op("Transpose", g.op("MatMul", probs, v), perm=[0, 2, 1, 3]), g.const([0, 0, Hq * vd]))
         return self.linear(o, p + "o", layer.o, layer.o_bias)
 
-    def moe(self, i: int, layer: LayerWeights, h: str) -> tuple[str, str]:
-        """The MoE feed-forward of layer i (models.moe.moe_forward): (output [B, T, H], stats int32 [4])."""
+    def moe(self, i: int, layer: LayerWeights, h: str, moe_index: int) -> tuple[str, str]:
+        """The MoE feed-forward of layer i, the MoE layer ``moe_index`` (models.moe.moe_forward): (output
+        [B, T, H], stats int32 [4])."""
         g, moe = self.g, self.c.moe
         p = f"layers.{i}."
         flat = g.op("Reshape", h, g.const([-1, self.c.hidden_size]))  # [B T, H]
@@ -207,7 +208,8 @@ class _Exporter:
         if layer.score_bias is not None:
             route_in.append(g.op("Cast", g.weight(p + "score_bias", layer.score_bias), to=F32))
         ids, weights, _active, stats = plugin_node(g, ROUTE, route_in, 4,
-                                                   route_fields(moe.router, self.budget, has_bias=len(route_in) > 1))
+                                                   route_fields(moe.router, self.budget and self.budget.for_layer(moe_index),
+                                                                has_bias=len(route_in) > 1))
         if moe.weights_in_model_dtype and self.dt != F32:  # rounded as the family's router rounds them
             weights = g.op("Cast", g.op("Cast", weights, to=self.dt), to=F32)
         moe_in = [flat, ids, weights, g.weight(p + "experts", layer.experts)]
@@ -265,7 +267,7 @@ class _Exporter:
                                               cos, sin, masks[c.window(i)]))
             h = self.layer_norm(x, p + "post_norm", layer.post_norm)
             if c.is_moe_layer(i):
-                mlp, layer_stats = self.moe(i, layer, h)
+                mlp, layer_stats = self.moe(i, layer, h, len(stats))
                 stats.append(g.op("Unsqueeze", layer_stats, g.const([0])))
             else:
                 mlp = self.swiglu(h, p, layer.gate_up, layer.down)

@@ -126,17 +126,22 @@ class ExpertBudget:
         probability summed over the tokens. gates (moespec's): each expert's weight in the tokens'
         own top-k routing summed, and every token's first choice ranked before all other experts;
         an expert no token chose scores 0.
+    exact_layers : int
+        For runtimes that apply the budget layer by layer (moespec's runtime, the ONNX export): the
+        first ``exact_layers`` MoE layers of each pass run without it (:meth:`for_layer`). A single
+        ``route_experts`` call applies the budget as given.
 
     Examples
     --------
     >>> ExpertBudget(16)
-    ExpertBudget(max_experts=16, policy='substitution', coverage=None, score='probability')
+    ExpertBudget(max_experts=16, policy='substitution', coverage=None, score='probability', exact_layers=0)
     """
 
     max_experts: int
     policy: Policy = "substitution"
     coverage: Optional[float] = None
     score: Score = "probability"
+    exact_layers: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_experts, int) or isinstance(self.max_experts, bool) or self.max_experts < 1:
@@ -147,6 +152,13 @@ class ExpertBudget:
             raise ValueError(f"ExpertBudget.coverage: expected a number in (0, 1] or None, got {self.coverage!r}")
         if self.score not in _SCORE_CODES:
             raise ValueError(f"ExpertBudget.score: expected 'probability' or 'gates', got {self.score!r}")
+        if not isinstance(self.exact_layers, int) or isinstance(self.exact_layers, bool) or self.exact_layers < 0:
+            raise ValueError(f"ExpertBudget.exact_layers: expected an int >= 0, got {self.exact_layers!r}")
+
+    def for_layer(self, moe_index: int) -> Optional["ExpertBudget"]:
+        """The budget of the MoE layer ``moe_index`` (0: the first MoE layer): None for the first
+        ``exact_layers``, else this one."""
+        return None if moe_index < self.exact_layers else self
 
 
 @dataclass(frozen=True)

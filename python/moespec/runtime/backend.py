@@ -174,7 +174,8 @@ class ReferenceBackend:
                               batch.cols, batch.slots, S)
             h = norm(x, layer.post_norm)
             if c.is_moe_layer(i):
-                y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, budget,  # valid tokens only
+                layer_budget = budget.for_layer(len(stats)) if budget is not None else None  # len: MoE layers so far
+                y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, layer_budget,  # valid tokens only
                                              model.moe_impl, trace=trace)
                 mlp = torch.zeros_like(h)
                 mlp[batch.rows, batch.cols] = y
@@ -272,7 +273,7 @@ class NativeBackend:
             view(x, "x"), view(cos, "cos"), view(sin, "sin"), view(cache.k, "k_cache"), view(cache.v, "v_cache"),
             view(offsets, "offsets"), view(start, "start"), view(mask, "mask"), view(taps, "taps"),
             view(tap_out, "tap_out"), view(logit_rows, "logit_rows"), view(logits, "logits"), view(stats, "stats"),
-            *budget_codes(budget), **trace_views)
+            *budget_codes(budget), **trace_views, exact_layers=budget.exact_layers if budget is not None else 0)
         B = len(seqs)
         if last_only:
             if len(rows) < B:  # zeros for requests without new tokens

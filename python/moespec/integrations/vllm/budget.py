@@ -46,10 +46,14 @@ def budget_from_env(value: Optional[str] = None) -> Optional[ExpertBudget]:
     if not value.strip():
         return None
     try:
-        return parse_budget_text(value)
+        budget = parse_budget_text(value)
     except ValueError as exc:
         raise ValueError(f"MOESPEC_BUDGET={value!r}: expected B[:substitution|truncation][:gates][:coverage=<0..1>] "
                          f"({exc})") from None
+    if budget.exact_layers:
+        raise ValueError(f"MOESPEC_BUDGET={value!r}: exact=<layers> is not supported in vLLM (its routers are "
+                         f"not told their layer); budget every layer or use moespec's runtime")
+    return budget
 
 
 def router_spec(router) -> Optional[RouterSpec]:
