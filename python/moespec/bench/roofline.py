@@ -240,9 +240,9 @@ def _step_splits(target, cache, context: int, repeats: int) -> dict[str, Any]:
     native_seconds: list[float] = []
     original = decoder.step
 
-    def timed(*args):
+    def timed(*args, **kwargs):
         start = time.perf_counter()
-        original(*args)
+        original(*args, **kwargs)
         native_seconds.append(time.perf_counter() - start)
 
     out: dict[str, Any] = {"backend": "native", "steps": {}}
