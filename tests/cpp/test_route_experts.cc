@@ -249,6 +249,32 @@ TEST(coverage_keeps_a_mass_prefix_within_the_budget) {
   CHECK(full.stats[2] == 0);
 }
 
+TEST(gates_score_keeps_each_tokens_first_choice) {
+  // (softmax and gpt_oss: their substitution key orders experts as their weights do)
+  for (const RouterSpec& spec : {softmax_spec(4, false), softmax_spec(4, true), gpt_oss_spec(4)}) {
+    Call plain(12, 64, spec, 21);
+    plain.run();
+    std::vector<int32_t> first(plain.T);
+    std::set<int32_t> distinct;
+    for (int64_t t = 0; t < plain.T; ++t) {  // the heaviest natural slot, ties: the lower id
+      int64_t best = t * plain.K;
+      for (int64_t i = t * plain.K; i < (t + 1) * plain.K; ++i)
+        if (plain.weights[i] > plain.weights[best] ||
+            (plain.weights[i] == plain.weights[best] && plain.ids[i] < plain.ids[best]))
+          best = i;
+      first[t] = plain.ids[best];
+      distinct.insert(first[t]);
+    }
+    Call c = plain;
+    const int32_t budget = std::max<int32_t>(4, static_cast<int32_t>(distinct.size()));
+    c.args.budget = ExpertBudget{budget, BudgetPolicy::kSubstitution, 0.0, BudgetScore::kGates};
+    c.run();
+    CHECK(c.stats[1] <= budget && c.stats[2] > 0);  // the cap binds, and every token keeps its first choice
+    for (int64_t t = 0; t < c.T; ++t)
+      CHECK(std::find(c.ids.begin() + t * c.K, c.ids.begin() + (t + 1) * c.K, first[t]) != c.ids.begin() + (t + 1) * c.K);
+  }
+}
+
 TEST(token_weights_change_the_budget_scores) {
   Call a(30, 64, softmax_spec(2, false), 9);
   a.args.budget = ExpertBudget{4, BudgetPolicy::kSubstitution, 0.0f};
@@ -298,6 +324,11 @@ TEST(bad_arguments_are_named) {
     Call c(4, 16, softmax_spec(2, true), 1);
     c.args.budget.coverage = 1.5f;
     CHECK_THROWS_WITH(c.run(), "budget.coverage: must be in (0, 1]");
+  }
+  {
+    Call c(4, 16, softmax_spec(2, true), 1);
+    c.args.budget.score = static_cast<BudgetScore>(2);
+    CHECK_THROWS_WITH(c.run(), "budget.score: unknown score 2 (0: probability, 1: gates)");
   }
   {
     Call c(4, 16, softmax_spec(2, true), 1);
