@@ -374,9 +374,11 @@ __device__ void natural_route_token(const Params& p, int64_t t, float* x, float*
     }
     key = p.family == RouterFamily::kSoftmax ? y : x;
   }
-  __syncwarp();  // every lane's prob row entries are visible to lane 0 (natural_gates)
   warp_topk(key, N, p.K, p.ws.nat_ids + t * p.K, lane);
-  if (p.score == BudgetScore::kGates && p.max_experts > 0 && lane == 0) natural_gates(p, t);
+  if (p.score == BudgetScore::kGates && p.max_experts > 0) {  // (warp-uniform)
+    __syncwarp();  // every lane's prob row entries are visible to lane 0
+    if (lane == 0) natural_gates(p, t);
+  }
 }
 
 __global__ void __launch_bounds__(kTokenThreads) natural_route_kernel(Params p) {

@@ -70,9 +70,8 @@ def default_policy(*, has_draft: bool, budget: Optional[object] = None) -> str:
 
 
 def parse_policy_text(text: str):
-    """``name`` or ``name:<max experts>[:<budget policy>][:<score>][:coverage=<tau>]`` -> (PolicySpec,
-    ExpertBudget or None); the score is ``probability`` (MoE-Spec's, the default) or ``gates``
-    (ExpertBudget.score); ``coverage`` is MoE-Spec's probability mode (ExpertBudget.coverage)."""
+    """``name`` or ``name:<budget>`` -> (PolicySpec, ExpertBudget or None), the budget part as
+    :func:`parse_budget_text` reads it."""
     name, _, arg = text.strip().partition(":")
     spec = POLICIES.get(name)
     if spec is None or (arg and not spec.budgeted):
@@ -87,7 +86,9 @@ def parse_policy_text(text: str):
 
 def parse_budget_text(text: str):
     """``<max experts>[:<budget policy>][:<score>][:coverage=<tau>][:exact=<n>]`` -> ExpertBudget (the
-    budget part of a policy string, and vLLM's ``MOESPEC_BUDGET``); ValueError naming the bad part."""
+    budget part of a policy string, and vLLM's ``MOESPEC_BUDGET``); the score is ``probability``
+    (MoE-Spec's, the default) or ``gates`` (ExpertBudget.score), ``coverage`` MoE-Spec's probability
+    mode, ``exact`` ExpertBudget.exact_layers. ValueError naming the bad part."""
     from moespec.ops import ExpertBudget
 
     size, *options = text.strip().split(":")

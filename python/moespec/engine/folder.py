@@ -25,7 +25,7 @@ Manifest (``format_version`` 1)::
                              dtype, files: {name: {bytes, sha256}}}
     predictor                (optional) null | {folder, layers, experts, files: {name: {bytes, sha256}}}
     tokenizer                null | {folder, files: {name: {bytes, sha256}}}
-    speculation              {policy, depth, top_k, total_tokens, budget: null | {max_experts, policy, coverage, score}}
+    speculation              {policy, depth, top_k, total_tokens, budget: null | {max_experts, policy, coverage, score, exact_layers}}
     backend                  (optional) "runtime" | "tensorrt"
     tensorrt                 (optional) null | {folder, networks: {verify, prefill?: {file, bytes, sha256, budget,
                              checker, trtexec, plan}}, weights_file, plugins, profile, plan_status, taps}
