@@ -12,6 +12,7 @@
 #include <string>
 
 #include "moespec/cpu_isa.h"
+#include "moespec/decoder_ops.h"
 #include "moespec/decoder_step.h"
 #include "moespec/error.h"
 #include "moespec/linear.h"
@@ -111,6 +112,75 @@ void moe_experts_binding(const py::object& x, const py::object& ids, const py::o
   cpu::moe_experts(a);
 }
 
+// The decoder ops run on CUDA only (the CPU runs their plain-torch versions, moespec/ops/decoder.py);
+// their arguments are checked on either device, so that bad input gets the same message.
+void require_cuda_tensor(const TensorView& t, const char* arg, const char* op) {
+  MOESPEC_CHECK_ARG(t.device == Device::kCUDA, arg, op,
+                    " has a CUDA kernel only (the CPU runs moespec.ops.decoder's torch version), got ", t.describe());
+}
+
+void rms_norm_binding(const py::object& x, const py::object& residual, const py::object& weight,
+                      const py::object& out, const py::object& sum, float eps, bool scale_fp32, uintptr_t stream) {
+  RmsNormArgs a;
+  a.x = to_view(x, "x");
+  a.residual = to_view(residual, "residual");
+  a.weight = to_view(weight, "weight");
+  a.out = to_view(out, "out");
+  a.sum = to_view(sum, "sum");
+  a.eps = eps;
+  a.scale_fp32 = scale_fp32;
+  validate_rms_norm(a);
+  require_cuda_tensor(a.x, "x", "rms_norm");
+  py::gil_scoped_release release;
+  cuda::rms_norm(a, reinterpret_cast<void*>(stream));
+}
+
+void attention_inputs_binding(const py::object& qkv, const py::object& q_norm, const py::object& k_norm,
+                              const py::object& cos, const py::object& sin, const py::object& k_cache,
+                              const py::object& v_cache, const py::object& rows, const py::object& slots,
+                              const py::object& q, int64_t num_heads, int64_t num_kv_heads, int qk_norm, float eps,
+                              float clip, uintptr_t stream) {
+  AttentionInputsArgs a;
+  a.qkv = to_view(qkv, "qkv");
+  a.q_norm = to_view(q_norm, "q_norm");
+  a.k_norm = to_view(k_norm, "k_norm");
+  a.cos = to_view(cos, "cos");
+  a.sin = to_view(sin, "sin");
+  a.k_cache = to_view(k_cache, "k_cache");
+  a.v_cache = to_view(v_cache, "v_cache");
+  a.rows = to_view(rows, "rows");
+  a.slots = to_view(slots, "slots");
+  a.q = to_view(q, "q");
+  a.num_heads = num_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.qk_norm = static_cast<QkNormKind>(qk_norm);
+  a.eps = eps;
+  a.clip = clip;
+  validate_attention_inputs(a);
+  require_cuda_tensor(a.qkv, "qkv", "attention_inputs");
+  py::gil_scoped_release release;
+  cuda::attention_inputs(a, reinterpret_cast<void*>(stream));
+}
+
+void tree_attention_binding(const py::object& q, const py::object& k_cache, const py::object& v_cache,
+                            const py::object& start, const py::object& mask, const py::object& out, float scale,
+                            const py::object& workspace, uintptr_t stream) {
+  TreeAttentionArgs a;
+  a.q = to_view(q, "q");
+  a.k_cache = to_view(k_cache, "k_cache");
+  a.v_cache = to_view(v_cache, "v_cache");
+  a.start = to_view(start, "start");
+  a.mask = to_view(mask, "mask");
+  a.out = to_view(out, "out");
+  a.scale = scale;
+  validate_tree_attention(a);
+  require_cuda_tensor(a.q, "q", "tree_attention");
+  CudaWorkspace ws{nullptr, 0};
+  if (!workspace.is_none()) ws = cuda_workspace(workspace, a.q.device_index);
+  py::gil_scoped_release release;
+  cuda::tree_attention(a, ws.data, ws.bytes, reinterpret_cast<void*>(stream));
+}
+
 void linear_binding(const py::object& x, const py::object& weight, const py::object& bias, const py::object& out) {
   LinearArgs a;
   a.x = to_view(x, "x");
@@ -182,6 +252,22 @@ PYBIND11_MODULE(_native, m) {
         "Dense projection at decode/verify sizes: x [T, K], weight [N, K] (+ bias [N]) -> out [T, N], written "
         "into the given output.",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"));
+  m.def("rms_norm", &rms_norm_binding,
+        "RMSNorm of x [P, H] (after adding residual, the sum written to sum) scaled by weight [H] -> out; CUDA.",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("out"), py::arg("sum"), py::arg("eps"),
+        py::arg("scale_fp32"), py::arg("stream"));
+  m.def("attention_inputs", &attention_inputs_binding,
+        "qkv [P, (Hq + 2 Hkv) D] -> clip, q/k norm, rope; k and v written at the cache slots, q [P, Hq, D]; CUDA.",
+        py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("rows"), py::arg("slots"), py::arg("q"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("qk_norm"), py::arg("eps"), py::arg("clip"), py::arg("stream"));
+  m.def("tree_attention", &tree_attention_binding,
+        "Attention of q [B, T, Hq, D] over each request's committed slots and its new slots by mask words; CUDA.",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("mask"), py::arg("out"),
+        py::arg("scale"), py::arg("workspace"), py::arg("stream"));
+  m.def("tree_attention_workspace_size", &cuda::tree_attention_workspace_size,
+        "Bytes of CUDA scratch tree_attention needs (0: none).", py::arg("B"), py::arg("T"), py::arg("num_heads"),
+        py::arg("head_dim"), py::arg("max_slots"));
   m.def("num_threads", [] { return ThreadPool::instance().num_threads(); }, "Threads of moespec's CPU pool.");
   m.def(
       "set_num_threads",
@@ -200,4 +286,8 @@ PYBIND11_MODULE(_native, m) {
   m.attr("kMaxExperts") = kMaxExperts;
   m.attr("kMaxTopK") = kMaxTopK;
   m.attr("kMaxDecoderStepTokens") = kMaxDecoderStepTokens;
+  m.attr("kMaxNormWidth") = kMaxNormWidth;
+  m.attr("kMaxAttentionInputs") = kMaxAttentionInputs;
+  m.attr("kMaxHeadDim") = kMaxHeadDim;
+  m.attr("kMaxTreeTokens") = kMaxTreeTokens;
 }

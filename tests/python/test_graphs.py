@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from models_fixtures import assert_close, write_checkpoint
+from models_fixtures import FAMILIES, assert_close, write_checkpoint
 from moespec import LLM, SamplingParams, SpeculativeConfig
 from moespec.models import load
 from moespec.ops import ExpertBudget
@@ -20,16 +20,30 @@ PROMPTS = [[5, 17, 33, 64, 9], [3, 4, 120, 77, 13]]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_checkpoint("qwen3_moe", tmp_path_factory.mktemp("graphs") / "qwen3_moe")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs")
+    return {family: write_checkpoint(family, root / family) for family in FAMILIES}
 
 
-def test_static_steps_equal_the_reference(folder):
-    ref = load(folder, "fp32", taps=(0, 2))
+@pytest.fixture(scope="module")
+def folder(folders):
+    return folders["qwen3_moe"]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference-forward"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_steps_equal_the_reference(folders, family, fused, monkeypatch):
+    """Both forwards of the graph steps (moespec.runtime.fused, where the model fits it, and the
+    reference forward on static buffers) against the reference backend, for every family: per-head and
+    full q/k norms, clip, a qkv bias, a shared expert, dense layers, GQA with one kv head."""
+    monkeypatch.setenv("MOESPEC_FUSED_STEP", "1" if fused else "0")
+    folder = folders[family]
+    ref = load(folder, "fp32", taps=(0, 1))
     ref.backend_name = "reference"
-    graphs = load(folder, "fp32", taps=(0, 2))
+    graphs = load(folder, "fp32", taps=(0, 1))
     graphs.backend_name = "graphs"
     assert graphs.backend_name == "graphs"
+    assert (graphs.backend.fused is not None) == fused  # (every fixture family fits the fused forward)
     caches = [m.new_cache(2, 40) for m in (ref, graphs)]
     for m, c in zip((ref, graphs), caches):
         m.prefill(c, PROMPTS)

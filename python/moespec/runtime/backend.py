@@ -181,8 +181,7 @@ class ReferenceBackend:
                 mlp[batch.rows, batch.cols] = y
                 stats.append(layer_stats)
             else:
-                gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-                mlp = F.linear(F.silu(gate) * up, layer.down)
+                mlp = dense_mlp(h, layer)
             x = x + mlp
             if i in model.taps:
                 tapped[i] = x
@@ -198,6 +197,12 @@ class ReferenceBackend:
             routing = (torch.stack([r.ids for r in trace]), torch.stack([r.weights for r in trace]).float())
         return ForwardOutput(logits=logits, hidden=tuple(tapped[t] for t in model.taps), expert_stats=expert_stats,
                              num_tokens=list(batch.num), routing=routing)
+
+
+def dense_mlp(h: torch.Tensor, layer) -> torch.Tensor:
+    """A dense layer's SwiGLU feed-forward: down(silu(gate h) * up h)."""
+    gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, layer.down)
 
 
 # ---- native -------------------------------------------------------------------------------------

@@ -30,6 +30,9 @@ import torch
 from moespec._tensor import to_device
 from moespec.models.cache import KVCache
 from moespec.ops import ExpertBudget
+from moespec.ops.decoder import visible_slots
+from moespec.runtime.fused import FusedForward
+from moespec.runtime.fused import supports as fused_supports
 from moespec.runtime.state import StepGeometry, step_geometry
 
 if TYPE_CHECKING:
@@ -43,23 +46,24 @@ class StaticStep:
     """One bucket: static inputs over one cache, the forward on them, and its graph (on CUDA)."""
 
     def __init__(self, reference: "ReferenceBackend", cache: KVCache, batch: int, tokens: int,
-                 budget: Optional[ExpertBudget], pool=None):
+                 budget: Optional[ExpertBudget], pool=None, fused: Optional[FusedForward] = None):
         from moespec.runtime.backend import _Batch
 
-        self.reference, self.cache, self.budget = reference, cache, budget
+        self.reference, self.cache, self.budget, self.fused = reference, cache, budget, fused
         device = reference.model.device
         B, T, S = batch, tokens, cache.max_len
         long = dict(dtype=torch.long, device=device)
         self.batch = _Batch(tokens=torch.zeros(B, T, **long), num=[T] * B, starts=[0] * B,
-                            positions=torch.zeros(B, T, **long),
-                            visible=torch.zeros(B, T, S, dtype=torch.bool, device=device),
+                            positions=torch.zeros(B, T, **long),  # (the fused forward needs no [B, T, S] mask)
+                            visible=torch.zeros(B, T, S if fused is None else 1, dtype=torch.bool, device=device),
                             valid=torch.ones(B, T, dtype=torch.bool, device=device),
                             rows=torch.arange(B, **long).repeat_interleave(T), cols=torch.arange(T, **long).repeat(B),
                             slots=torch.zeros(B * T, **long))
         self.pool = pool
         self.packed: Optional[torch.Tensor] = None  # long: the call's geometry, copied in by load()
         self.words = 0  # packed mask words per token
-        self.cols_s, self.cols_t = torch.arange(S, **long), torch.arange(T, **long)  # slot / new-token index
+        self.mask_words: Optional[torch.Tensor] = None  # int32 [B, T, W]: the fused forward's mask rows
+        self.cols_t = torch.arange(T, **long)  # new-token index
         self.graph = None
         self.out: Optional["ForwardOutput"] = None
 
@@ -74,25 +78,27 @@ class StaticStep:
         if self.packed is None:
             self.words = geo.mask.shape[1]
             self.packed = torch.empty(host.numel(), dtype=torch.long, device=self.batch.tokens.device)
+            B, T = self.batch.tokens.shape
+            self.mask_words = torch.empty(B, T, self.words, dtype=torch.int32, device=self.packed.device)
         self.packed.copy_(to_device(host, self.packed.device))
 
-    def _unpack(self) -> None:
-        """tokens, positions, the attention mask over every cache slot (committed slots, then
-        ancestor-or-self among the new tokens) and the cache slots, from ``packed``."""
+    def _unpack(self) -> torch.Tensor:
+        """tokens, positions, the cache slots and the mask rows (the fused forward's int32 words, or
+        the reference forward's mask over every cache slot: committed slots, then ancestor-or-self
+        among the new tokens), from ``packed``; returns each request's first new slot, long [B]."""
         b = self.batch
         B, T = b.tokens.shape
-        S, P = b.visible.shape[-1], B * T
+        P = B * T
         start = self.packed[2 * P: 2 * P + B]
         words = self.packed[2 * P + B:].view(B, T, self.words)  # int32 words sign-extended: bits 0..31 as they were
         b.tokens.copy_(self.packed[:P].view(B, T))
         b.positions.copy_(self.packed[P: 2 * P].view(B, T))
-        rel = self.cols_s[None, :] - start[:, None]  # [B, S]: index among the new tokens
-        r = rel.clamp(0, T - 1)
-        word = torch.gather(words, 2, (r // 32)[:, None, :].expand(B, T, S))  # [B, T, S]
-        bit = ((word >> (r % 32)[:, None, :]) & 1).bool()
-        new = ((rel >= 0) & (rel < T))[:, None, :] & bit
-        b.visible.copy_((rel < 0)[:, None, :] | new)
         b.slots.copy_((start[:, None] + self.cols_t[None, :]).reshape(-1))
+        if self.fused is not None:
+            self.mask_words.copy_(words)
+        else:
+            b.visible.copy_(visible_slots(start, words, self.cache.max_len))
+        return start
 
     def run(self) -> "ForwardOutput":
         """The forward on the loaded inputs: eagerly the first time (capturing it on CUDA), then replayed."""
@@ -105,8 +111,11 @@ class StaticStep:
         return out
 
     def _forward(self) -> "ForwardOutput":
-        self._unpack()
-        return self.reference._forward(self.cache, self.batch, self.budget, last_only=False)
+        start = self._unpack()
+        b = self.batch
+        if self.fused is not None:
+            return self.fused(self.cache, b.tokens, b.positions, start, self.mask_words, b.rows, b.slots, self.budget)
+        return self.reference._forward(self.cache, b, self.budget, last_only=False)
 
     def _capture(self) -> None:
         """Captures the forward (its K/V writes go to the slots already written by the eager run, with
@@ -138,6 +147,7 @@ class GraphBackend:
         self.model, self.reference, self.max_tokens = model, reference, max_tokens
         self.steps: dict[tuple, StaticStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
+        self.fused = FusedForward(model) if fused_supports(model) else None  # (moespec.runtime.fused)
 
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
                 budget: Optional[ExpertBudget], last_only: bool, geo=None) -> "ForwardOutput":
@@ -154,7 +164,8 @@ class GraphBackend:
         if step is None:
             if len(self.steps) >= MAX_BUCKETS:
                 return self.reference.forward(cache, seqs, parents, budget, last_only)
-            step = self.steps[key] = StaticStep(self.reference, cache, len(seqs), T, budget, self.pool)
+            step = self.steps[key] = StaticStep(self.reference, cache, len(seqs), T, budget, self.pool,
+                                                        self.fused)
         step.load(geo if geo is not None else step_geometry(seqs, cache.lengths, parents), list(cache.lengths))
         out = step.run()
         logits = out.logits[:, -1] if last_only else out.logits  # every request has T tokens

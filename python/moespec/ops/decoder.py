@@ -1,0 +1,116 @@
+"""The attention half of a decoder layer in few launches: ``rms_norm`` (with the residual add),
+``attention_inputs`` (clip, q/k norm, rope, the cache writes) and ``tree_attention`` (a tree-masked
+attention that reads only the slots a request uses), for the runtime's graph steps
+(:mod:`moespec.runtime.fused`).
+
+On CUDA each is a kernel of cpp/kernels/decoder_ops.cu (contract: cpp/include/moespec/decoder_ops.h),
+launched on the current stream with no host synchronisation and no allocation but its output and
+scratch from torch's allocator (so a graph captures it). On the CPU each runs its plain-torch version
+below: the reference forward's own ops (moespec.runtime.attention), which tests/gpu/
+test_decoder_ops_cuda.py holds the kernels to, and which the CPU tests run the graph steps through.
+
+Dimensions: P tokens (B requests x T tokens for tree_attention), H hidden, Hq/Hkv query and
+key-value heads, D head dim, S_max cache slots, W mask words per row ((T + 31) // 32).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from moespec._loader import native, require_cuda
+from moespec._tensor import view
+from moespec.runtime.attention import rms_norm as _rms_norm_reference
+from moespec.runtime.attention import rotate
+
+QK_NORM_CODES = {"none": 0, "per_head": 1, "full": 2}
+
+
+def _stream(t: torch.Tensor) -> int:
+    require_cuda()
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: Optional[torch.Tensor] = None,
+             scale_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' RMSNorm of ``s = x`` or, with ``residual``, ``s = x + residual`` (rounded to the
+    dtype, as torch's add is): returns ``(s, weight * norm(s))``, both [P, H] in x's dtype.
+    ``scale_fp32``: the scale in fp32, then rounded (GPT-OSS)."""
+    if x.device.type != "cuda":
+        s = x if residual is None else x + residual
+        return s, _rms_norm_reference(s, weight, eps, scale_fp32)
+    out = torch.empty_like(x)
+    s = x if residual is None else torch.empty_like(x)
+    native().rms_norm(view(x, "x"), view(residual, "residual"), view(weight, "weight"), view(out, "out"),
+                      view(None if residual is None else s, "sum"), float(eps), bool(scale_fp32), _stream(x))
+    return s, out
+
+
+def attention_inputs(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor],
+                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rows: torch.Tensor, slots: torch.Tensor, *, num_heads: int, num_kv_heads: int, qk_norm: str,
+                     eps: float, clip: Optional[float]) -> torch.Tensor:
+    """From a layer's q/k/v projection ``qkv`` [P, (Hq + 2 Hkv) D] (after its bias): q and k clipped
+    to ``clip`` and normed (``qk_norm``: "none", "per_head" with [D] weights, "full" with [Hq D] and
+    [Hkv D]; the reference's order: a full norm before the clip, a per-head one after it), rope with
+    ``cos``, ``sin`` [P, D], and k, v written to ``k_cache``, ``v_cache`` [B, Hkv, S_max, D] at
+    (``rows``, ``slots``) (long [P]: request and slot of each token). Returns q [P, Hq, D]."""
+    P = qkv.shape[0]
+    Hq, Hkv = num_heads, num_kv_heads
+    D = k_cache.shape[-1]
+    if qk_norm not in QK_NORM_CODES:
+        raise ValueError(f"qk_norm: expected one of {tuple(QK_NORM_CODES)}, got {qk_norm!r}")
+    if qkv.device.type == "cuda":
+        q = qkv.new_empty(P, Hq, D)
+        native().attention_inputs(view(qkv, "qkv"), view(q_norm, "q_norm"), view(k_norm, "k_norm"), view(cos, "cos"),
+                                  view(sin, "sin"), view(k_cache, "k_cache"), view(v_cache, "v_cache"),
+                                  view(rows, "rows"), view(slots, "slots"), view(q, "q"), int(Hq), int(Hkv),
+                                  QK_NORM_CODES[qk_norm], float(eps), float(clip or 0.0), _stream(qkv))
+        return q
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    if qk_norm == "full":
+        q, k = _rms_norm_reference(q, q_norm, eps), _rms_norm_reference(k, k_norm, eps)
+    if clip:
+        q, k, v = (t.clamp(-clip, clip) for t in (q, k, v))
+    q, k, v = q.reshape(P, Hq, D), k.reshape(P, Hkv, D), v.reshape(P, Hkv, D)
+    if qk_norm == "per_head":
+        q, k = _rms_norm_reference(q, q_norm, eps), _rms_norm_reference(k, k_norm, eps)
+    q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+    k_cache[rows, :, slots] = k
+    v_cache[rows, :, slots] = v
+    return q
+
+
+def visible_slots(start: torch.Tensor, words: torch.Tensor, S: int) -> torch.Tensor:
+    """bool [B, T, S]: which of the first S cache slots each token sees: the committed slots
+    [0, start[b]) and the new slot start[b] + j where bit j % 32 of word j // 32 of its row of
+    ``words`` [B, T, W] (int32 or sign-extended int64) is set."""
+    B, T = words.shape[:2]
+    rel = torch.arange(S, device=start.device)[None, :] - start[:, None]  # [B, S]: index among the new tokens
+    r = rel.clamp(0, T - 1)
+    word = torch.gather(words.long(), 2, (r // 32)[:, None, :].expand(B, T, S))  # [B, T, S]
+    bit = ((word >> (r % 32)[:, None, :]) & 1).bool()
+    return (rel < 0)[:, None, :] | (((rel >= 0) & (rel < T))[:, None, :] & bit)
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
+                   words: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q [B, T, Hq, D] over k_cache, v_cache [B, Hkv, S_max, D]: token (b, t) sees the
+    slots :func:`visible_slots` gives it (``start`` long [B], ``words`` int32 [B, T, W]); softmax in
+    fp32. Returns [B, T, Hq, D]. On CUDA only slots below start[b] + T are read."""
+    B, T, Hq, D = q.shape
+    if q.device.type == "cuda":
+        out = torch.empty_like(q)
+        nbytes = native().tree_attention_workspace_size(B, T, Hq, D, k_cache.shape[2])
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
+        native().tree_attention(view(q, "q"), view(k_cache, "k_cache"), view(v_cache, "v_cache"), view(start, "start"),
+                                view(words, "mask"), view(out, "out"), float(scale), view(workspace, "workspace"),
+                                _stream(q))
+        return out
+    S = k_cache.shape[2]
+    mask = visible_slots(start, words, S)[:, None]  # [B, 1, T, S]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, scale=scale,
+                                       enable_gqa=Hq != k_cache.shape[1])  # [B, Hq, T, D]
+    return o.transpose(1, 2)
