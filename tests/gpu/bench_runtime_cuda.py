@@ -9,7 +9,9 @@ share of a layer at T = 16, and a draft round's tree work (expand_root, 5 expand
 level's top-k copied to the host), and a greedy eagle3 step's parts (draft, verify, acceptance, commit,
 catch-up). Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
 runtime"): within 15% of the roofline at T <= 16, with CUDA graphs (the "graphs" backend,
-moespec.runtime.graphs); each row times the eager reference backend and the graphs backend.
+moespec.runtime.graphs); each row times the eager reference backend and the graphs backend, the
+latter with its default forward (moespec.runtime.fused: the decoder ops' kernels) and with the
+reference forward on static buffers (MOESPEC_FUSED_STEP=0).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def kernel_table(m: TargetModel, cache, T: int, top: int = 12) -> list:
     rows = sorted(((e.key, e.device_time_total / 3, e.count / 3) for e in prof.key_averages()),
                   key=lambda r: -r[1])[:top]
     total = sum(e.device_time_total for e in prof.key_averages()) / 3
-    print(f"verify T={T} (graphs): GPU time {total:.0f} us a step; top kernels:")
+    launches = sum(e.count for e in prof.key_averages() if e.device_time_total > 0) / 3
+    print(f"verify T={T} (graphs): GPU time {total:.0f} us a step, {launches:.0f} kernels; top kernels:")
     for name, us, calls in rows:
         print(f"  {us:8.1f} us {calls:5.0f}x  {name[:110]}")
     return [[n, us, c] for n, us, c in rows]
@@ -204,16 +207,21 @@ def main() -> int:
             m.backend_name = "reference"
             t = event_seconds(step)
             kept = float(stats["kept"])
+            os.environ["MOESPEC_FUSED_STEP"] = "0"  # graphs of the reference forward (read when the backend is made)
             m.backend_name = "graphs"
+            t_unfused = event_seconds(step)
+            del os.environ["MOESPEC_FUSED_STEP"]
+            m.backend_name = "graphs"  # graphs of the fused forward (moespec.runtime.fused): the default
+            assert m.backend.fused is not None
             t_graph = event_seconds(step)
             host = host_seconds(step)
             roof = (dense + LAYERS * kept * expert_bytes) / (copy * 1e9)
             rows.append({"T": T, "budget": B, "ms": t * 1e3, "graphs_ms": t_graph * 1e3, "graphs_host_ms": host * 1e3,
-                         "unique": kept, "roofline_ms": roof * 1e3, "x_roofline": t / roof,
-                         "graphs_x_roofline": t_graph / roof})
+                         "graphs_reference_forward_ms": t_unfused * 1e3, "unique": kept, "roofline_ms": roof * 1e3,
+                         "x_roofline": t / roof, "graphs_x_roofline": t_graph / roof})
             print(f"T={T:3d} budget={str(B):>4s}: eager {t * 1e3:7.3f} ms, graphs {t_graph * 1e3:7.3f} ms "
-                  f"(host {host * 1e3:6.3f} ms a call), {kept:6.1f} experts/layer, roofline {roof * 1e3:6.3f} ms "
-                  f"(graphs {t_graph / roof:5.2f}x)")
+                  f"(reference forward {t_unfused * 1e3:7.3f} ms; host {host * 1e3:6.3f} ms a call), "
+                  f"{kept:6.1f} experts/layer, roofline {roof * 1e3:6.3f} ms (graphs {t_graph / roof:5.2f}x)")
     x = torch.randn(16, H, device=CUDA).to(torch.bfloat16)
     router = m.weights.layers[0].router
     spec = RouterSpec("softmax", K, True)

@@ -62,7 +62,7 @@ for file in tests/gpu/test_*.py; do  # one process a file: a crash in one does n
 done
 step "timing: route_experts" bench.log 45 env PYTHONPATH=python "$PY" tests/gpu/bench_route_experts_cuda.py
 step "timing: moe_experts" bench_moe.log 110 env PYTHONPATH=python "$PY" tests/gpu/bench_moe_experts_cuda.py
-step "timing: runtime steps" bench_runtime.log 130 env PYTHONPATH=python "$PY" tests/gpu/bench_runtime_cuda.py
+step "timing: runtime steps" bench_runtime.log 170 env PYTHONPATH=python "$PY" tests/gpu/bench_runtime_cuda.py
 step "hardware profile" profile.log 45 "$PY" tests/gpu/measure_profile.py
 (IFS=,; printf '{%s}\n' "${results[*]}") >"$LOGS/summary.json"
 

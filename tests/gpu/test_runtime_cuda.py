@@ -95,16 +95,20 @@ def test_greedy_speculation_on_cuda_equals_greedy_ar(folder, tmp_path):
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want, policy
 
 
-def test_graph_replay_equals_eager(folder):
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused-forward", "reference-forward"])
+def test_graph_replay_equals_eager(folder, fused, monkeypatch):
     """The "graphs" backend on CUDA: decode and budgeted tree-verify steps captured once per bucket,
     then replayed with new inputs, give the eager reference backend's logits and expert stats; greedy
-    eagle3 through graphs equals greedy ar."""
+    eagle3 through graphs equals greedy ar. Both forwards of the steps: moespec.runtime.fused (the
+    decoder ops' kernels) and the reference forward on static buffers (MOESPEC_FUSED_STEP=0)."""
     from moespec import SpeculativeConfig
     from moespec.spec.train import new_head
 
+    monkeypatch.setenv("MOESPEC_FUSED_STEP", fused)
     eager = mm.load(folder, "fp32", device="cuda")
     graphs = mm.load(folder, "fp32", device="cuda")
     graphs.backend_name = "graphs"
+    assert (graphs.backend.fused is not None) == (fused == "1")
     caches = [m.new_cache(2, 48) for m in (eager, graphs)]
     for m, c in zip((eager, graphs), caches):
         m.prefill(c, [p[:5] for p in PROMPTS])

@@ -1,0 +1,170 @@
+"""The decoder ops on CUDA (cpp/kernels/decoder_ops.cu: rms_norm, attention_inputs, tree_attention)
+against their plain-torch versions on the CPU (moespec.ops.decoder: the reference forward's own ops).
+
+Sums (a norm's squares, q.k, p.v) run in other orders on the GPU, so values agree within 1e-5 of
+the output scale in fp32 and, in bf16, 2e-3 of the scale plus one bf16 ulp of the value (a norm's
+factor may round either side); what involves no sum (the residual add's sum, the cache entries of
+v) is bit-identical. Also: tree_attention reads no slot at or past start + T (NaN there changes
+nothing), splits and no split, a captured graph replayed at other cache lengths (the length is read
+on the device) equals eager calls, and two calls are bit-identical. Skipped without a CUDA device or
+a CUDA build.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gpu_common import require_cuda_build
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+require_cuda_build()
+
+from moespec._loader import native  # noqa: E402
+from moespec.ops.decoder import attention_inputs, rms_norm, tree_attention  # noqa: E402
+from moespec.runtime.state import step_geometry  # noqa: E402
+
+CUDA = torch.device("cuda")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, where: str) -> None:
+    got, want = got.float().cpu(), want.float().cpu()
+    scale = max(float(want.abs().max()) if want.numel() else 0.0, 1e-30)
+    bound = TOL[dtype] * scale + (want.abs() * 2.0**-7 if dtype == torch.bfloat16 else 0.0)
+    err = (got - want).abs()
+    assert bool((err <= bound).all()), f"{where}: max error {float(err.max())} (scale {scale})"
+
+
+def rand(gen: torch.Generator, *shape, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("P,H", [(1, 64), (7, 2048), (3, 4100), (2, 12032)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("scale_fp32", [False, True])
+def test_rms_norm_matches_torch(P, H, dtype, residual, scale_fp32):
+    gen = torch.Generator().manual_seed(P * 31 + H)
+    x, r, w = rand(gen, P, H, dtype=dtype), rand(gen, P, H, dtype=dtype), rand(gen, H, dtype=dtype, scale=0.5)
+    want_s, want = rms_norm(x, w, 1e-6, residual=r if residual else None, scale_fp32=scale_fp32)
+    got_s, got = rms_norm(x.to(CUDA), w.to(CUDA), 1e-6, residual=r.to(CUDA) if residual else None,
+                          scale_fp32=scale_fp32)
+    assert torch.equal(got_s.cpu(), want_s), "the residual add rounds once, as torch's add"
+    assert_close(got, want, dtype, "rms_norm")
+
+
+def caches(gen, B, Hkv, S, D, dtype):
+    return rand(gen, B, Hkv, S, D, dtype=dtype), rand(gen, B, Hkv, S, D, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (6, 3, 18)])
+@pytest.mark.parametrize("qk_norm", ["none", "per_head", "full"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_attention_inputs_match_torch(Hq, Hkv, D, qk_norm, clip, dtype):
+    gen = torch.Generator().manual_seed(Hq * 7 + D)
+    B, S, P = 2, 40, 5
+    qkv = rand(gen, P, (Hq + 2 * Hkv) * D, dtype=dtype)
+    full = qk_norm == "full"
+    qn = rand(gen, Hq * D if full else D, dtype=dtype) if qk_norm != "none" else None
+    kn = rand(gen, Hkv * D if full else D, dtype=dtype) if qk_norm != "none" else None
+    angle = torch.rand(P, D, generator=gen) * 6.3
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    kc, vc = caches(gen, B, Hkv, S, D, dtype)
+    rows = torch.tensor([0, 0, 1, 1, 1])
+    slots = torch.tensor([3, 4, 0, 39, 17])
+    kw = dict(num_heads=Hq, num_kv_heads=Hkv, qk_norm=qk_norm, eps=1e-6, clip=clip)
+    gpu = [t.to(CUDA) if t is not None else None for t in (qkv, qn, kn, cos, sin, kc, vc, rows, slots)]
+    want = attention_inputs(qkv, qn, kn, cos, sin, kc, vc, rows, slots, **kw)
+    got = attention_inputs(*gpu, **kw)
+    assert_close(got, want, dtype, "q")
+    assert_close(gpu[5], kc, dtype, "k cache")
+    assert torch.equal(gpu[6].cpu(), vc), "v is copied (clipped) as it is"
+
+
+def tree_words(parents: list[int]) -> torch.Tensor:
+    """int32 [T, W]: the tree's ancestor-or-self rows as the runtime packs them (bit j of row i: node j
+    is i or an ancestor of i)."""
+    return step_geometry([[0] * len(parents)], [0], [parents]).mask
+
+
+def random_parents(rng: random.Random, T: int) -> list[int]:
+    return [-1] + [rng.randrange(i) for i in range(1, T)]
+
+
+def tree_inputs(seed: int, B: int, T: int, Hq: int, Hkv: int, D: int, S: int, dtype):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = rand(gen, B, T, Hq, D, dtype=dtype)
+    kc, vc = caches(gen, B, Hkv, S, D, dtype)
+    start = torch.tensor([rng.randrange(0, S - T + 1) for _ in range(B)])
+    start[0] = 0 if B > 1 else start[0]  # (a request with no committed slot)
+    words = torch.stack([tree_words(random_parents(rng, T)) for _ in range(B)]).to(torch.int32)  # [B, T, W]
+    return q, kc, vc, start, words
+
+
+def check_tree_attention(seed, B, T, Hq, Hkv, D, S, dtype):
+    q, kc, vc, start, words = tree_inputs(seed, B, T, Hq, Hkv, D, S, dtype)
+    want = tree_attention(q, kc, vc, start, words, D**-0.5)
+    gkc, gvc = kc.to(CUDA), vc.to(CUDA)
+    for b in range(B):  # slots no token of request b sees: never read
+        gkc[b, :, int(start[b]) + T:] = float("nan")
+        gvc[b, :, int(start[b]) + T:] = float("nan")
+    got = tree_attention(q.to(CUDA), gkc, gvc, start.to(CUDA), words.to(CUDA), D**-0.5)
+    assert_close(got, want, dtype, f"tree_attention B={B} T={T} Hq={Hq} Hkv={Hkv} D={D} S={S}")
+    again = tree_attention(q.to(CUDA), gkc, gvc, start.to(CUDA), words.to(CUDA), D**-0.5)
+    assert torch.equal(got, again), "deterministic"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,S", [
+    (1, 1, 32, 4, 128, 4096),  # decode at a long cache: many splits
+    (1, 16, 32, 4, 128, 600),  # a verify tree
+    (8, 64, 32, 4, 128, 300),  # one split: written directly
+    (2, 130 - 2, 4, 1, 64, 200),  # T = 128: four mask words
+    (3, 5, 8, 8, 256, 70),
+])
+def test_tree_attention_matches_torch(B, T, Hq, Hkv, D, S, dtype):
+    if dtype == torch.float32 and D > native().kMaxHeadDim // 2:
+        pytest.skip("float32 takes D <= 128")
+    check_tree_attention(B * 1000 + T, B, T, Hq, Hkv, D, S, dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**20), B=st.integers(1, 3), T=st.integers(1, 70), heads=st.sampled_from([(4, 1), (8, 2), (4, 4)]),
+       D=st.sampled_from([64, 128]), extra=st.integers(0, 700), bf16=st.booleans())
+def test_tree_attention_matches_torch_on_random_trees(seed, B, T, heads, D, extra, bf16):
+    check_tree_attention(seed, B, T, heads[0], heads[1], D, T + extra, torch.bfloat16 if bf16 else torch.float32)
+
+
+def test_tree_attention_replayed_at_other_lengths_equals_eager():
+    """A captured call reads start on the device: replays after the length changed give the eager
+    results at those lengths."""
+    B, T, Hq, Hkv, D, S = 2, 8, 8, 2, 128, 2048
+    q, kc, vc, start, words = (t.to(CUDA) for t in tree_inputs(5, B, T, Hq, Hkv, D, S, torch.bfloat16))
+    static = start.clone()
+    tree_attention(q, kc, vc, static, words, D**-0.5)  # (warm-up)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_attention(q, kc, vc, static, words, D**-0.5)
+    for lengths in ([0, 1], [100, 1500], [S - T, 7]):
+        static.copy_(torch.tensor(lengths, device=CUDA))
+        graph.replay()
+        assert torch.equal(out, tree_attention(q, kc, vc, static, words, D**-0.5)), lengths
+
+
+def test_bad_arguments_name_the_argument():
+    q = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16, device=CUDA)
+    kc = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16, device=CUDA)
+    start = torch.zeros(1, dtype=torch.long, device=CUDA)
+    words = torch.zeros(1, 2, 1, dtype=torch.int32, device=CUDA)
+    with pytest.raises(ValueError, match="^start:"):
+        tree_attention(q, kc, kc, start.int(), words, 0.1)
+    with pytest.raises(ValueError, match="^k_cache:"):
+        tree_attention(q, kc.float(), kc, start, words, 0.1)
+    with pytest.raises(ValueError, match="^mask:"):
+        tree_attention(q, kc, kc, start, words[:, :1], 0.1)

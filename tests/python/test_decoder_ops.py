@@ -1,0 +1,126 @@
+"""The decoder ops' CPU side (moespec.ops.decoder; their CUDA kernels: tests/gpu/test_decoder_ops_cuda.py):
+the visible-slot rule against a plain loop over slots, tree_attention against a per-token softmax
+written out, attention_inputs writing exactly its tokens' cache slots, and the native entry points'
+argument checks (a message naming the argument; on CPU tensors, that the kernel is CUDA-only)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moespec._loader import native
+from moespec._tensor import view
+from moespec.ops.decoder import attention_inputs, tree_attention, visible_slots
+from moespec.runtime.state import step_geometry
+
+
+def random_tree_words(rng: random.Random, T: int) -> torch.Tensor:
+    parents = [-1] + [rng.randrange(i) for i in range(1, T)]
+    return step_geometry([[0] * T], [0], [parents]).mask  # int32 [T, W]
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**20), B=st.integers(1, 3), T=st.integers(1, 70), extra=st.integers(0, 40))
+def test_visible_slots_follow_the_rule(seed, B, T, extra):
+    rng = random.Random(seed)
+    S = T + extra
+    start = torch.tensor([rng.randrange(0, S - T + 1) for _ in range(B)])
+    words = torch.stack([random_tree_words(rng, T) for _ in range(B)])
+    got = visible_slots(start, words, S)
+    for b in range(B):
+        for t in range(T):
+            for s in range(S):
+                j = s - int(start[b])
+                bit = 0 <= j < T and (int(words[b, t, j // 32]) >> (j % 32)) & 1
+                assert bool(got[b, t, s]) == (s < int(start[b]) or bool(bit)), (b, t, s)
+
+
+def test_tree_attention_is_each_tokens_softmax_over_what_it_sees():
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    B, T, Hq, Hkv, D, S = 2, 6, 4, 2, 8, 20
+    q = torch.randn(B, T, Hq, D, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    start = torch.tensor([0, 9])
+    words = torch.stack([random_tree_words(rng, T) for _ in range(B)])
+    got = tree_attention(q, k, v, start, words, 0.3)
+    seen = visible_slots(start, words, S)
+    for b in range(B):
+        for t in range(T):
+            slots = [s for s in range(S) if seen[b, t, s]]
+            assert int(start[b]) + t in slots  # a token sees itself
+            for h in range(Hq):
+                g = h // (Hq // Hkv)
+                scores = [float(q[b, t, h] @ k[b, g, s]) * 0.3 for s in slots]
+                top = max(scores)
+                p = [math.exp(x - top) for x in scores]
+                want = sum(pi * v[b, g, s] for pi, s in zip(p, slots)) / sum(p)
+                assert torch.allclose(got[b, t, h], want, atol=1e-12), (b, t, h)
+
+
+def test_attention_inputs_write_only_their_slots():
+    gen = torch.Generator().manual_seed(0)
+    Hq, Hkv, D, B, S = 4, 2, 8, 2, 10
+    qkv = torch.randn(3, (Hq + 2 * Hkv) * D, generator=gen)
+    k, v = torch.zeros(B, Hkv, S, D), torch.zeros(B, Hkv, S, D)
+    rows, slots = torch.tensor([0, 1, 1]), torch.tensor([4, 0, 9])
+    cos, sin = torch.ones(3, D), torch.zeros(3, D)  # (rope at position 0: the identity)
+    q = attention_inputs(qkv, None, None, cos, sin, k, v, rows, slots, num_heads=Hq, num_kv_heads=Hkv,
+                         qk_norm="none", eps=1e-6, clip=None)
+    assert torch.equal(q, qkv[:, : Hq * D].view(3, Hq, D))
+    for p, (b, s) in enumerate(zip(rows.tolist(), slots.tolist())):
+        assert torch.equal(k[b, :, s], qkv[p, Hq * D: (Hq + Hkv) * D].view(Hkv, D))
+        assert torch.equal(v[b, :, s], qkv[p, (Hq + Hkv) * D:].view(Hkv, D))
+        k[b, :, s], v[b, :, s] = 0, 0
+    assert not k.any() and not v.any(), "no other slot written"
+
+
+def test_native_entry_points_check_their_arguments():
+    n = native()
+    q = torch.zeros(1, 2, 4, 16, dtype=torch.bfloat16)
+    kc = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    start, words, out = torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, 1, dtype=torch.int32), torch.empty_like(q)
+
+    def attend(q=q, k=kc, v=kc, start=start, words=words, out=out, scale=0.25):
+        n.tree_attention(view(q, "q"), view(k, "k_cache"), view(v, "v_cache"), view(start, "start"),
+                         view(words, "mask"), view(out, "out"), scale, None, 0)
+
+    with pytest.raises(ValueError, match="^start: .*int64"):
+        attend(start=start.int())
+    with pytest.raises(ValueError, match="^v_cache: .*size 8"):
+        attend(v=kc[:, :, :4])
+    with pytest.raises(ValueError, match="^q: head dim D must be a multiple of 8"):
+        attend(q=torch.zeros(1, 2, 4, 12, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="^q: tokens per request T must be in"):
+        attend(q=torch.zeros(1, 129, 4, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="^scale: must be > 0"):
+        attend(scale=0.0)
+    with pytest.raises(ValueError, match="^q: tree_attention has a CUDA kernel only"):
+        attend()
+    x = torch.zeros(3, 32)
+    with pytest.raises(ValueError, match="^sum: residual and sum come together"):
+        n.rms_norm(view(x, "x"), view(x, "residual"), view(x[0], "weight"), view(x, "out"), None, 1e-6, False, 0)
+    with pytest.raises(ValueError, match="^weight: expected size 32"):
+        n.rms_norm(view(x, "x"), None, view(x[0, :16], "weight"), view(x, "out"), None, 1e-6, False, 0)
+    with pytest.raises(ValueError, match="^x: rms_norm has a CUDA kernel only"):
+        n.rms_norm(view(x, "x"), None, view(x[0], "weight"), view(x, "out"), None, 1e-6, False, 0)
+    qkv, cache = torch.zeros(2, 64), torch.zeros(1, 2, 4, 8)
+    idx, cs = torch.zeros(2, dtype=torch.long), torch.zeros(2, 8)
+
+    def inputs(qkv=qkv, heads=(4, 2), qk_norm=0):
+        n.attention_inputs(view(qkv, "qkv"), None, None, view(cs, "cos"), view(cs, "sin"), view(cache, "k_cache"),
+                           view(cache, "v_cache"), view(idx, "rows"), view(idx, "slots"),
+                           view(torch.empty(2, heads[0], 8), "q"), heads[0], heads[1], qk_norm, 1e-6, 0.0, 0)
+
+    with pytest.raises(ValueError, match=r"^qkv: expected \(Hq \+ 2 Hkv\) D = 64"):
+        inputs(qkv=torch.zeros(2, 60))
+    with pytest.raises(ValueError, match="^num_heads: expected Hq >= 1 query heads, a multiple of"):
+        inputs(heads=(3, 2))
+    with pytest.raises(ValueError, match="^q_norm: q_norm and k_norm are given exactly when"):
+        inputs(qk_norm=1)
+    with pytest.raises(ValueError, match="^qkv: attention_inputs has a CUDA kernel only"):
+        inputs()
