@@ -14,9 +14,11 @@ allocator and run on the current stream). Prefill, and calls that fit no
 bucket (unequal tree sizes, trees over ``max_tokens`` nodes, an observer recording routing), run
 the reference forward as they are.
 
-The forward is :class:`moespec.runtime.backend.ReferenceBackend`'s, on a batch whose index tensors
-are the static buffers; attention covers all S_max slots with the mask (the price of a fixed
-shape). On the CPU there are no graphs: the same static steps run eagerly, which is what the CPU
+The forward is :class:`moespec.runtime.fused.FusedForward` where the model fits it (the reference
+forward's semantics with the attention half of each layer in moespec's decoder ops: a few launches
+a layer, attention over the used slots only, the cache length read on the device), else
+:class:`moespec.runtime.backend.ReferenceBackend`'s on a batch whose index tensors are the static
+buffers, whose attention covers all S_max slots with a mask (the price of a fixed shape). On the CPU there are no graphs: the same static steps run eagerly, which is what the CPU
 tests hold against the reference path (tests/python/test_graphs.py); tests/gpu/test_runtime_cuda.py
 holds graph replay against eager on a GPU.
 """
