@@ -16,8 +16,9 @@
 //                            a warp a token: the split's slots staged 32 or 64 at a time in shared
 //                            memory (16-byte loads; rows padded to an odd word count: the per-slot
 //                            dot products read without bank conflicts), a lane per slot for q.k,
-//                            an online softmax per warp, a lane per pair of dims for p.v. Only slots
-//                            below start + T are read. With one split it writes the output; else
+//                            an online softmax per warp, a lane per pair of dims for p.v (a
+//                            sliding window, the head's sink where the model has them). Only
+//                            slots below start + T are read. With one split it writes the output; else
 //                            (m, l, acc) per split, and
 //   combine_kernel           sums the splits in split order.
 #include <cuda_bf16.h>
@@ -189,9 +190,17 @@ __global__ void __launch_bounds__(kThreads) attention_inputs_kernel(
 
 struct TreeShape {
   int T, Hq, Hkv, D, W, splits;
-  int64_t S;
+  int64_t S, window;  // window 0: none
   float scale;
+  bool sinks_f32;  // the sinks' dtype: float32, or the model's
 };
+
+// Head h's sink logit, or -inf without sinks (then it adds nothing to a denominator).
+template <typename T>
+__device__ __forceinline__ float sink_logit(const void* sinks, bool f32, int h) {
+  if (sinks == nullptr) return -INFINITY;
+  return f32 ? static_cast<const float*>(sinks)[h] : to_f(static_cast<const T*>(sinks)[h]);
+}
 
 // Splits the slots [0, end) into `splits` ranges of whole chunks; range c of them.
 __device__ __forceinline__ void split_range(int64_t end, int splits, int chunk, int c, int64_t& lo, int64_t& hi) {
@@ -203,10 +212,11 @@ __device__ __forceinline__ void split_range(int64_t end, int splits, int chunk, 
 template <typename T, int kChunk>  // kChunk: slots staged at a time (32 or 64: one or two a lane)
 __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int64_t* __restrict__ start, const int32_t* __restrict__ mask, T* __restrict__ out,
-    float* __restrict__ partial, TreeShape s) {
+    const int64_t* __restrict__ start, const int32_t* __restrict__ mask, const int64_t* __restrict__ positions,
+    const void* __restrict__ sinks, T* __restrict__ out, float* __restrict__ partial, TreeShape s) {
   constexpr int kPerWord = 4 / sizeof(T);  // elements in a 32-bit word
   extern __shared__ uint32_t smem[];
+  __shared__ int64_t new_pos[kMaxTreeTokens];  // (a window) the new slots' positions
   const int D = s.D, words = D / kPerWord, stride = words + 1;  // (odd: lane r's row r starts in bank r)
   constexpr int kPerLane = kChunk / kWarp;
   uint32_t* ks = smem;                                      // [kChunk, stride]
@@ -225,6 +235,11 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
   split_range(end, s.splits, kChunk, c, lo, hi);
   const int64_t row = (static_cast<int64_t>(b) * s.T + t) * s.Hq + h;  // of q, out (when active)
   uint32_t bits[kMaxMaskWords] = {};
+  int64_t q_pos = 0;
+  if (s.window > 0) {  // (read after the chunk loop's first barrier)
+    for (int j = threadIdx.x; j < s.T; j += blockDim.x) new_pos[j] = positions[static_cast<int64_t>(b) * s.T + j];
+    if (active) q_pos = positions[static_cast<int64_t>(b) * s.T + t];
+  }
   if (active) {
     for (int d = lane; d < D; d += kWarp) qs[warp * D + d] = to_f(q[row * D + d]);
     for (int w = 0; w < s.W; ++w) bits[w] = static_cast<uint32_t>(mask[(static_cast<int64_t>(b) * s.T + t) * s.W + w]);
@@ -254,7 +269,8 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
     for (int j = 0; j < kPerLane; ++j) {  // lane's slots: lane, lane + 32
       const int r = lane + kWarp * j;
       const int64_t slot = base + r, rel = slot - st;
-      const bool visible = slot < hi && (rel < 0 || ((bits[rel >> 5] >> (rel & 31)) & 1u));
+      const bool visible = slot < hi && (rel < 0 || ((bits[rel >> 5] >> (rel & 31)) & 1u)) &&
+                           (s.window == 0 || q_pos - (rel < 0 ? slot : new_pos[rel]) < s.window);
       float dot = 0.0f;
       const float* qv = qs + warp * D;
       for (int w = 0; w < words; ++w) {
@@ -301,8 +317,11 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
     }
   }
   if (!active) return;
-  if (s.splits == 1) {
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  if (s.splits == 1) {  // out = acc e^(m - top) / (l e^(m - top) + e^(sink - top)), top = max(m, sink)
+    const float sink = sink_logit<T>(sinks, s.sinks_f32, h), top = fmaxf(m, sink);
+    const float keep = l > 0.0f ? expf(m - top) : 0.0f;
+    const float den = l * keep + (sink == -INFINITY ? 0.0f : expf(sink - top));
+    const float inv = den > 0.0f ? keep / den : 0.0f;
     for (int k = 0; k < kWordsPerLane; ++k) {
       const int w = lane + kWarp * k;
       if (w >= words) break;
@@ -319,14 +338,17 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
   }
 }
 
-// One block a (token, head): its splits' (m, l, acc) summed in split order.
+// One block a (token, head): its splits' (m, l, acc) summed in split order (with the head's sink
+// in the denominator).
 template <typename T>
-__global__ void combine_kernel(const float* __restrict__ partial, T* __restrict__ out, int splits, int D) {
+__global__ void combine_kernel(const float* __restrict__ partial, const void* __restrict__ sinks, T* __restrict__ out,
+                               int splits, int D, int Hq, bool sinks_f32) {
   const float* part = partial + static_cast<int64_t>(blockIdx.x) * splits * (D + 2);
-  float top = -INFINITY;
+  const float sink = sink_logit<T>(sinks, sinks_f32, static_cast<int>(blockIdx.x % Hq));
+  float top = sink;
   for (int c = 0; c < splits; ++c)
     if (part[c * (D + 2) + 1] > 0.0f) top = fmaxf(top, part[c * (D + 2)]);
-  float den = 0.0f;
+  float den = sink == -INFINITY ? 0.0f : expf(sink - top);
   for (int c = 0; c < splits; ++c)
     if (part[c * (D + 2) + 1] > 0.0f) den += expf(part[c * (D + 2)] - top) * part[c * (D + 2) + 1];
   const float inv = den > 0.0f ? 1.0f / den : 0.0f;
@@ -381,7 +403,8 @@ void launch_tree_attention(const TreeAttentionArgs& a, float* partial, cudaStrea
   const TreeShape s{static_cast<int>(T_), static_cast<int>(Hq), static_cast<int>(a.k_cache.shape[1]),
                     static_cast<int>(D), static_cast<int>(a.mask.shape[2]),
                     static_cast<int>(tree_attention_splits(B, T_, Hq, a.k_cache.shape[2])), a.k_cache.shape[2],
-                    a.scale};
+                    a.window, a.scale, a.sinks.defined() && a.sinks.dtype == DType::kFloat32};
+  const void* sinks = a.sinks.defined() ? a.sinks.data : nullptr;
   const int chunk = tree_chunk(D, a.q.dtype);
   const int64_t words = D * static_cast<int64_t>(sizeof(T)) / 4;
   const std::size_t shared = (2 * chunk * (words + 1)) * sizeof(uint32_t) + kWarpsPerBlock * D * sizeof(float);
@@ -389,11 +412,12 @@ void launch_tree_attention(const TreeAttentionArgs& a, float* partial, cudaStrea
                   static_cast<unsigned>(B * ((T_ + kWarpsPerBlock - 1) / kWarpsPerBlock)));
   auto kernel = chunk == 64 ? tree_attention_kernel<T, 64> : tree_attention_kernel<T, 32>;
   kernel<<<grid, kThreads, shared, stream>>>(data<T>(a.q), data<T>(a.k_cache), data<T>(a.v_cache),
-                                             data<int64_t>(a.start), data<int32_t>(a.mask), a.out.ptr<T>(), partial, s);
+                                             data<int64_t>(a.start), data<int32_t>(a.mask), data<int64_t>(a.positions),
+                                             sinks, a.out.ptr<T>(), partial, s);
   if (s.splits > 1) {
     check_launch("tree_attention");
-    combine_kernel<T><<<static_cast<unsigned>(B * T_ * Hq), 128, 0, stream>>>(partial, a.out.ptr<T>(), s.splits,
-                                                                            static_cast<int>(D));
+    combine_kernel<T><<<static_cast<unsigned>(B * T_ * Hq), 128, 0, stream>>>(
+        partial, sinks, a.out.ptr<T>(), s.splits, static_cast<int>(D), static_cast<int>(Hq), s.sinks_f32);
   }
 }
 

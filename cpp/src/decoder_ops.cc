@@ -108,6 +108,15 @@ void validate_tree_attention(const TreeAttentionArgs& a) {
   check_contiguous(a.mask, "mask");
   check_like(a.out, "out", a.q, {B, T, Hq, D});
   MOESPEC_CHECK_ARG(a.scale > 0.0f, "scale", "must be > 0, got ", a.scale);
+  MOESPEC_CHECK_ARG(a.window >= 0, "window", "must be >= 0 (0: none), got ", a.window);
+  if (a.window > 0 || a.positions.defined()) {
+    check_view(a.positions, "positions", {DType::kInt64}, {B, T}, a.q.device, a.q.device_index);
+    check_contiguous(a.positions, "positions");
+  }
+  if (a.sinks.defined()) {
+    check_view(a.sinks, "sinks", {DType::kFloat32, a.q.dtype}, {Hq}, a.q.device, a.q.device_index);
+    check_contiguous(a.sinks, "sinks");
+  }
 }
 
 }  // namespace moespec

@@ -6,7 +6,8 @@ the output scale in fp32 and, in bf16, 2e-3 of the scale plus one bf16 ulp of th
 factor may round either side); what involves no sum (the residual add's sum, the cache entries of
 v) is bit-identical. Also: tree_attention reads no slot at or past start + T (NaN there changes
 nothing), splits and no split, a captured graph replayed at other cache lengths (the length is read
-on the device) equals eager calls, and two calls are bit-identical. Skipped without a CUDA device or
+on the device) equals eager calls, two calls are bit-identical, and a sliding window and sinks
+(GPT-OSS) agree with the torch version too. Skipped without a CUDA device or
 a CUDA build.
 """
 
@@ -97,26 +98,39 @@ def random_parents(rng: random.Random, T: int) -> list[int]:
 
 
 def tree_inputs(seed: int, B: int, T: int, Hq: int, Hkv: int, D: int, S: int, dtype):
+    """q, the caches, start, the trees' mask words [B, T, W] and the new tokens' positions [B, T]
+    (start + depth)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     q = rand(gen, B, T, Hq, D, dtype=dtype)
     kc, vc = caches(gen, B, Hkv, S, D, dtype)
     start = torch.tensor([rng.randrange(0, S - T + 1) for _ in range(B)])
     start[0] = 0 if B > 1 else start[0]  # (a request with no committed slot)
-    words = torch.stack([tree_words(random_parents(rng, T)) for _ in range(B)]).to(torch.int32)  # [B, T, W]
-    return q, kc, vc, start, words
+    trees = [random_parents(rng, T) for _ in range(B)]
+    words = torch.stack([tree_words(p) for p in trees]).to(torch.int32)  # [B, T, W]
+    depth = torch.zeros(B, T, dtype=torch.long)
+    for b, parents in enumerate(trees):
+        for i in range(1, T):
+            depth[b, i] = depth[b, parents[i]] + 1
+    return q, kc, vc, start, words, start[:, None] + depth
 
 
-def check_tree_attention(seed, B, T, Hq, Hkv, D, S, dtype):
-    q, kc, vc, start, words = tree_inputs(seed, B, T, Hq, Hkv, D, S, dtype)
-    want = tree_attention(q, kc, vc, start, words, D**-0.5)
+def check_tree_attention(seed, B, T, Hq, Hkv, D, S, dtype, window=0, sinks=False):
+    """The kernel against the torch version in fp32 (the kernel's own precision: fp32 scores and
+    softmax, the output rounded once)."""
+    q, kc, vc, start, words, positions = tree_inputs(seed, B, T, Hq, Hkv, D, S, dtype)
+    sink = torch.randn(Hq, generator=torch.Generator().manual_seed(seed)) * 2 if sinks else None
+    kw = dict(positions=positions, window=window, sinks=sink)
+    want = tree_attention(q.float(), kc.float(), vc.float(), start, words, D**-0.5, **kw)
     gkc, gvc = kc.to(CUDA), vc.to(CUDA)
     for b in range(B):  # slots no token of request b sees: never read
         gkc[b, :, int(start[b]) + T:] = float("nan")
         gvc[b, :, int(start[b]) + T:] = float("nan")
-    got = tree_attention(q.to(CUDA), gkc, gvc, start.to(CUDA), words.to(CUDA), D**-0.5)
-    assert_close(got, want, dtype, f"tree_attention B={B} T={T} Hq={Hq} Hkv={Hkv} D={D} S={S}")
-    again = tree_attention(q.to(CUDA), gkc, gvc, start.to(CUDA), words.to(CUDA), D**-0.5)
+    gkw = dict(positions=positions.to(CUDA), window=window, sinks=sink.to(CUDA) if sinks else None)
+    got = tree_attention(q.to(CUDA), gkc, gvc, start.to(CUDA), words.to(CUDA), D**-0.5, **gkw)
+    assert_close(got, want, dtype, f"tree_attention B={B} T={T} Hq={Hq} Hkv={Hkv} D={D} S={S} window={window} "
+                                   f"sinks={sinks}")
+    again = tree_attention(q.to(CUDA), gkc, gvc, start.to(CUDA), words.to(CUDA), D**-0.5, **gkw)
     assert torch.equal(got, again), "deterministic"
 
 
@@ -128,24 +142,27 @@ def check_tree_attention(seed, B, T, Hq, Hkv, D, S, dtype):
     (2, 130 - 2, 4, 1, 64, 200),  # T = 128: four mask words
     (3, 5, 8, 8, 256, 70),
 ])
-def test_tree_attention_matches_torch(B, T, Hq, Hkv, D, S, dtype):
+@pytest.mark.parametrize("window,sinks", [(0, False), (128, True)])  # (GPT-OSS: a 128-position window, sinks)
+def test_tree_attention_matches_torch(B, T, Hq, Hkv, D, S, dtype, window, sinks):
     if dtype == torch.float32 and D > native().kMaxHeadDim // 2:
         pytest.skip("float32 takes D <= 128")
-    check_tree_attention(B * 1000 + T, B, T, Hq, Hkv, D, S, dtype)
+    check_tree_attention(B * 1000 + T, B, T, Hq, Hkv, D, S, dtype, window, sinks)
 
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**20), B=st.integers(1, 3), T=st.integers(1, 70), heads=st.sampled_from([(4, 1), (8, 2), (4, 4)]),
-       D=st.sampled_from([64, 128]), extra=st.integers(0, 700), bf16=st.booleans())
-def test_tree_attention_matches_torch_on_random_trees(seed, B, T, heads, D, extra, bf16):
-    check_tree_attention(seed, B, T, heads[0], heads[1], D, T + extra, torch.bfloat16 if bf16 else torch.float32)
+       D=st.sampled_from([64, 128]), extra=st.integers(0, 700), bf16=st.booleans(),
+       window=st.sampled_from([0, 0, 3, 128]), sinks=st.booleans())
+def test_tree_attention_matches_torch_on_random_trees(seed, B, T, heads, D, extra, bf16, window, sinks):
+    check_tree_attention(seed, B, T, heads[0], heads[1], D, T + extra, torch.bfloat16 if bf16 else torch.float32,
+                         window, sinks)
 
 
 def test_tree_attention_replayed_at_other_lengths_equals_eager():
     """A captured call reads start on the device: replays after the length changed give the eager
     results at those lengths."""
     B, T, Hq, Hkv, D, S = 2, 8, 8, 2, 128, 2048
-    q, kc, vc, start, words = (t.to(CUDA) for t in tree_inputs(5, B, T, Hq, Hkv, D, S, torch.bfloat16))
+    q, kc, vc, start, words, _ = (t.to(CUDA) for t in tree_inputs(5, B, T, Hq, Hkv, D, S, torch.bfloat16))
     static = start.clone()
     tree_attention(q, kc, vc, static, words, D**-0.5)  # (warm-up)
     graph = torch.cuda.CUDAGraph()

@@ -62,6 +62,40 @@ def test_tree_attention_is_each_tokens_softmax_over_what_it_sees():
                 assert torch.allclose(got[b, t, h], want, atol=1e-12), (b, t, h)
 
 
+def test_tree_attention_window_and_sinks_are_the_reference_attentions():
+    """With a sliding window a token sees what the reference forward's window mask gives it (key
+    positions: a committed slot's index, a new slot's token position); sinks are the reference's
+    attention_with_sinks, here written out per token."""
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    B, T, Hq, Hkv, D, S, window = 2, 5, 4, 2, 8, 24, 4
+    q = torch.randn(B, T, Hq, D, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    start = torch.tensor([3, 11])
+    parents = [[-1] + [rng.randrange(i) for i in range(1, T)] for _ in range(B)]
+    words = torch.stack([step_geometry([[0] * T], [0], [p]).mask for p in parents])
+    depth = [[0] * T for _ in range(B)]
+    for b in range(B):
+        for i in range(1, T):
+            depth[b][i] = depth[b][parents[b][i]] + 1
+    positions = start[:, None] + torch.tensor(depth)
+    sinks = torch.randn(Hq, generator=gen, dtype=torch.float64)
+    got = tree_attention(q, k, v, start, words, 0.3, positions=positions, window=window, sinks=sinks)
+    seen = visible_slots(start, words, S)
+    for b in range(B):
+        for t in range(T):
+            pos = int(positions[b, t])
+            slots = [s for s in range(S) if seen[b, t, s]
+                     and pos - (s if s < int(start[b]) else int(positions[b, s - int(start[b])])) < window]
+            assert int(start[b]) + t in slots
+            for h in range(Hq):
+                g = h // (Hq // Hkv)
+                scores = [float(q[b, t, h] @ k[b, g, s]) * 0.3 for s in slots]
+                top = max(scores + [float(sinks[h])])
+                p = [math.exp(x - top) for x in scores]
+                want = sum(pi * v[b, g, s] for pi, s in zip(p, slots)) / (sum(p) + math.exp(float(sinks[h]) - top))
+                assert torch.allclose(got[b, t, h], want, atol=1e-12), (b, t, h)
+
+
 def test_attention_inputs_write_only_their_slots():
     gen = torch.Generator().manual_seed(0)
     Hq, Hkv, D, B, S = 4, 2, 8, 2, 10
@@ -85,9 +119,10 @@ def test_native_entry_points_check_their_arguments():
     kc = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
     start, words, out = torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, 1, dtype=torch.int32), torch.empty_like(q)
 
-    def attend(q=q, k=kc, v=kc, start=start, words=words, out=out, scale=0.25):
+    def attend(q=q, k=kc, v=kc, start=start, words=words, out=out, scale=0.25, positions=None, sinks=None, window=0):
         n.tree_attention(view(q, "q"), view(k, "k_cache"), view(v, "v_cache"), view(start, "start"),
-                         view(words, "mask"), view(out, "out"), scale, None, 0)
+                         view(words, "mask"), view(positions, "positions"), view(sinks, "sinks"), view(out, "out"),
+                         scale, window, None, 0)
 
     with pytest.raises(ValueError, match="^start: .*int64"):
         attend(start=start.int())
@@ -99,6 +134,12 @@ def test_native_entry_points_check_their_arguments():
         attend(q=torch.zeros(1, 129, 4, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="^scale: must be > 0"):
         attend(scale=0.0)
+    with pytest.raises(ValueError, match="^positions: a tensor is required"):
+        attend(window=4)
+    with pytest.raises(ValueError, match="^positions: .*size 2 in dim 1"):
+        attend(window=4, positions=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="^sinks: .*size 4"):
+        attend(sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="^q: tree_attention has a CUDA kernel only"):
         attend()
     x = torch.zeros(3, 32)

@@ -21,8 +21,11 @@ PROMPTS = [[5, 17, 33, 64, 9], [3, 4, 120, 77, 13]]
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
+    from test_gpt_oss import write as write_gpt_oss
+
     root = tmp_path_factory.mktemp("graphs")
-    return {family: write_checkpoint(family, root / family) for family in FAMILIES}
+    return {**{family: write_checkpoint(family, root / family) for family in FAMILIES},
+            "gpt_oss": write_gpt_oss(root / "gpt_oss")}
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +34,13 @@ def folder(folders):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference-forward"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ["gpt_oss"])
 def test_static_steps_equal_the_reference(folders, family, fused, monkeypatch):
     """Both forwards of the graph steps (moespec.runtime.fused, where the model fits it, and the
     reference forward on static buffers) against the reference backend, for every family: per-head and
-    full q/k norms, clip, a qkv bias, a shared expert, dense layers, GQA with one kv head."""
+    full q/k norms, clip, a qkv bias, a shared expert, dense layers, GQA with one kv head, and GPT-OSS's
+    sliding windows, sinks, yarn rope and fp32 norm scale (its window of 4 is shorter than the calls'
+    contexts)."""
     monkeypatch.setenv("MOESPEC_FUSED_STEP", "1" if fused else "0")
     folder = folders[family]
     ref = load(folder, "fp32", taps=(0, 1))

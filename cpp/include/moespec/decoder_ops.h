@@ -14,9 +14,12 @@
 //   tree_attention    each token's attention over its request's committed slots [0, start[b]) and
 //                     the new slots start[b] + j whose bit j is set in its mask row (the draft
 //                     tree's packed ancestor words), reading only those slots (the cache's length is
-//                     read on the device: a graph replays it at any length); the slots are split
-//                     over blocks (flash-decoding) and the splits combined in split order (no
-//                     atomics: deterministic); one launch, two when split.
+//                     read on the device: a graph replays it at any length); with a sliding window
+//                     only slots whose position is less than `window` behind the token's (a
+//                     committed slot's position is its index, new slot j's is positions[b, j]);
+//                     with sinks one more logit per head in every softmax's denominator (GPT-OSS).
+//                     The slots are split over blocks (flash-decoding) and the splits combined in
+//                     split order (no atomics: deterministic); one launch, two when split.
 //
 // Rounding: a bf16 model rounds to bf16 where torch rounds (each elementwise op's result, the
 // norm's normalised value before the scale); sums (norm, q.k, p.v) run in fp32 in the hardware's
@@ -81,8 +84,11 @@ struct TreeAttentionArgs {
   TensorView v_cache;  // [B, Hkv, S_max, D]
   TensorView start;    // [B] int64: committed slots of request b; its new tokens are at start[b] + j
   TensorView mask;     // [B, T, W] int32: bit j % 32 of word j / 32 = the token sees new slot j
+  TensorView positions;  // [B, T] int64 (needed with a window): the new tokens' rope positions
+  TensorView sinks;    // [Hq] float32 or q's dtype (optional): each head's sink logit
   TensorView out;      // out [B, T, Hq, D]
   float scale = 1.0f;
+  int64_t window = 0;  // > 0: a sliding window of that many positions
 };
 
 // Shape, dtype and layout checks (moespec::Error naming the argument), device-independent.

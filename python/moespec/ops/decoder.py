@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from moespec._loader import native, require_cuda
 from moespec._tensor import view
 from moespec.runtime.attention import rms_norm as _rms_norm_reference
-from moespec.runtime.attention import rotate
+from moespec.runtime.attention import attention_with_sinks, rotate
 
 QK_NORM_CODES = {"none": 0, "per_head": 1, "full": 2}
 
@@ -96,21 +96,39 @@ def visible_slots(start: torch.Tensor, words: torch.Tensor, S: int) -> torch.Ten
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                   words: torch.Tensor, scale: float) -> torch.Tensor:
+                   words: torch.Tensor, scale: float, *, positions: Optional[torch.Tensor] = None, window: int = 0,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of q [B, T, Hq, D] over k_cache, v_cache [B, Hkv, S_max, D]: token (b, t) sees the
-    slots :func:`visible_slots` gives it (``start`` long [B], ``words`` int32 [B, T, W]); softmax in
-    fp32. Returns [B, T, Hq, D]. On CUDA only slots below start[b] + T are read."""
+    slots :func:`visible_slots` gives it (``start`` long [B], ``words`` int32 [B, T, W]); with
+    ``window`` > 0 only those whose position is less than ``window`` behind its own (``positions``
+    long [B, T]: the new tokens' positions; a committed slot's position is its index); ``sinks``
+    [Hq]: each head's sink logit in every softmax's denominator (GPT-OSS). Softmax in fp32 (with
+    sinks: as :func:`moespec.runtime.attention.attention_with_sinks` computes it). Returns
+    [B, T, Hq, D]. On CUDA only slots below start[b] + T are read."""
     B, T, Hq, D = q.shape
+    if window and positions is None:
+        raise ValueError("positions: needed with a sliding window")
     if q.device.type == "cuda":
         out = torch.empty_like(q)
         nbytes = native().tree_attention_workspace_size(B, T, Hq, D, k_cache.shape[2])
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
         native().tree_attention(view(q, "q"), view(k_cache, "k_cache"), view(v_cache, "v_cache"), view(start, "start"),
-                                view(words, "mask"), view(out, "out"), float(scale), view(workspace, "workspace"),
-                                _stream(q))
+                                view(words, "mask"), view(positions if window else None, "positions"),
+                                view(sinks, "sinks"), view(out, "out"), float(scale), int(window),
+                                view(workspace, "workspace"), _stream(q))
         return out
     S = k_cache.shape[2]
-    mask = visible_slots(start, words, S)[:, None]  # [B, 1, T, S]
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, scale=scale,
-                                       enable_gqa=Hq != k_cache.shape[1])  # [B, Hq, T, D]
+    mask = visible_slots(start, words, S)  # [B, T, S]
+    if window:
+        key_pos = torch.arange(S, device=q.device).expand(B, S).clone()  # [B, S]
+        new = start[:, None] + torch.arange(T, device=q.device)[None, :]  # [B, T]: the new tokens' slots
+        inside = new < S
+        key_pos[torch.arange(B, device=q.device)[:, None].expand(B, T)[inside], new[inside]] = positions[inside]
+        mask = mask & (positions[:, :, None] - key_pos[:, None, :] < window)
+    qt = q.transpose(1, 2)  # [B, Hq, T, D]
+    if sinks is not None:
+        o = attention_with_sinks(qt, k_cache, v_cache, mask[:, None], sinks, scale)
+    else:
+        o = F.scaled_dot_product_attention(qt, k_cache, v_cache, attn_mask=mask[:, None], scale=scale,
+                                           enable_gqa=Hq != k_cache.shape[1])  # [B, Hq, T, D]
     return o.transpose(1, 2)

@@ -13,8 +13,8 @@ their plain-torch versions (the reference's own ops), which is what tests/python
 holds against the reference backend.
 
 Used by :class:`moespec.runtime.graphs.StaticStep` where :func:`supports` says the model fits
-(GQA without sliding windows or sinks, no yarn rope scaling, float32 or bfloat16, head and
-hidden sizes within the kernels' bounds); ``MOESPEC_FUSED_STEP=0`` keeps the reference forward.
+(GQA, with or without sliding windows and sinks; float32 or bfloat16; head and hidden sizes within
+the kernels' bounds; not MLA); ``MOESPEC_FUSED_STEP=0`` keeps the reference forward.
 
 Dimensions: B requests, T tokens each, P = B T, H hidden, Hq/Hkv heads, D head dim, W mask words.
 """
@@ -45,8 +45,7 @@ def supports(model: "TargetModel") -> bool:
         return False
     c, n = model.config, native()
     D = c.head_dim
-    return (model.dtype in (torch.float32, torch.bfloat16) and c.mla is None and not c.sliding_layers
-            and not c.attention_sinks and c.rope.kind != "yarn" and D % 8 == 0
+    return (model.dtype in (torch.float32, torch.bfloat16) and c.mla is None and D % 8 == 0
             and D <= (n.kMaxHeadDim if model.dtype == torch.bfloat16 else n.kMaxHeadDim // 2)
             and (c.num_heads + c.num_kv_heads) * D <= n.kMaxAttentionInputs and c.hidden_size <= n.kMaxNormWidth)
 
@@ -64,7 +63,9 @@ class FusedForward:
             positions = torch.arange(length, device=self.model.inv_freq.device)
             freqs = positions[:, None].float() * self.model.inv_freq  # [S, D/2], as the reference computes it
             emb = torch.cat((freqs, freqs), dim=-1)
-            self.cos, self.sin = emb.cos().to(self.model.dtype), emb.sin().to(self.model.dtype)
+            scaling = self.model.config.rope.attention_scaling  # (1 but for yarn)
+            self.cos = (emb.cos() * scaling).to(self.model.dtype)
+            self.sin = (emb.sin() * scaling).to(self.model.dtype)
         return self.cos, self.sin
 
     def __call__(self, cache: "KVCache", tokens: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
@@ -91,7 +92,8 @@ class FusedForward:
             k_cache, v_cache = cache.k[i], cache.v[i]
             q = attention_inputs(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, rows, slots,
                                  num_heads=Hq, num_kv_heads=Hkv, qk_norm=c.qk_norm, eps=eps, clip=c.clip_qkv)
-            o = tree_attention(q.view(B, T, Hq, D), k_cache, v_cache, start, words, D**-0.5)
+            o = tree_attention(q.view(B, T, Hq, D), k_cache, v_cache, start, words, D**-0.5, positions=positions,
+                               window=c.window(i), sinks=layer.sinks)
             x, h = rms_norm(F.linear(o.reshape(B * T, Hq * D), layer.o, layer.o_bias), layer.post_norm, eps,
                             residual=x, scale_fp32=c.norm_scale_fp32)
             if c.is_moe_layer(i):
