@@ -175,7 +175,9 @@ __global__ void __launch_bounds__(kThreads) attention_inputs_kernel(
   for (int i = threadIdx.x; i < QK; i += blockDim.x) {  // rope: x cos + rotate_half(x) sin, each op rounded
     const int h = i / D, d = i % D;
     const float partner = d < half ? -qk[i + half] : qk[i - half];
-    const float v = rnd<T>(rnd<T>(qk[i] * to_f(cos[p * D + d])) + rnd<T>(partner * to_f(sin[p * D + d])));
+    // (__fmul_rn / __fadd_rn: never contracted into an fma, so that fp32 rounds as torch's separate ops)
+    const float v = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(qk[i], to_f(cos[p * D + d]))),
+                                     rnd<T>(__fmul_rn(partner, to_f(sin[p * D + d])))));
     if (h < s.Hq)
       q[p * QD + i] = from_f<T>(v);
     else if (write)

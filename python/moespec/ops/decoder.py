@@ -5,9 +5,10 @@ attention that reads only the slots a request uses), for the runtime's graph ste
 
 On CUDA each is a kernel of cpp/kernels/decoder_ops.cu (contract: cpp/include/moespec/decoder_ops.h),
 launched on the current stream with no host synchronisation and no allocation but its output and
-scratch from torch's allocator (so a graph captures it). On the CPU each runs its plain-torch version
-below: the reference forward's own ops (moespec.runtime.attention), which tests/gpu/
-test_decoder_ops_cuda.py holds the kernels to, and which the CPU tests run the graph steps through.
+scratch from torch's allocator (so a graph captures it). On the CPU (and with MOESPEC_FUSED_STEP=0) each runs
+its plain-torch version below: the reference forward's own ops (moespec.runtime.attention), which
+tests/gpu/test_decoder_ops_cuda.py holds the kernels to, and which the CPU tests run the graph steps
+and the draft head through.
 
 Dimensions: P tokens (B requests x T tokens for tree_attention), H hidden, Hq/Hkv query and
 key-value heads, D head dim, S_max cache slots, W mask words per row ((T + 31) // 32).
@@ -15,6 +16,7 @@ key-value heads, D head dim, S_max cache slots, W mask words per row ((T + 31) /
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -28,24 +30,37 @@ from moespec.runtime.attention import attention_with_sinks, rotate
 QK_NORM_CODES = {"none": 0, "per_head": 1, "full": 2}
 
 
+def _kernel(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` runs the CUDA kernel (else the torch version)."""
+    return t.device.type == "cuda" and enabled()
+
+
 def _stream(t: torch.Tensor) -> int:
     require_cuda()
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def enabled() -> bool:
+    """Whether the runtime uses these ops where they fit (MOESPEC_FUSED_STEP=0: the reference's ops)."""
+    return os.environ.get("MOESPEC_FUSED_STEP", "1") != "0"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: Optional[torch.Tensor] = None,
              scale_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' RMSNorm of ``s = x`` or, with ``residual``, ``s = x + residual`` (rounded to the
-    dtype, as torch's add is): returns ``(s, weight * norm(s))``, both [P, H] in x's dtype.
+    dtype, as torch's add is): returns ``(s, weight * norm(s))``, both [..., H] in x's dtype.
     ``scale_fp32``: the scale in fp32, then rounded (GPT-OSS)."""
-    if x.device.type != "cuda":
+    if not _kernel(x):
         s = x if residual is None else x + residual
         return s, _rms_norm_reference(s, weight, eps, scale_fp32)
-    out = torch.empty_like(x)
-    s = x if residual is None else torch.empty_like(x)
-    native().rms_norm(view(x, "x"), view(residual, "residual"), view(weight, "weight"), view(out, "out"),
-                      view(None if residual is None else s, "sum"), float(eps), bool(scale_fp32), _stream(x))
-    return s, out
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H).contiguous()
+    r2 = None if residual is None else residual.reshape(-1, H).contiguous()
+    out = torch.empty_like(x2)
+    s = x2 if residual is None else torch.empty_like(x2)
+    native().rms_norm(view(x2, "x"), view(r2, "residual"), view(weight, "weight"), view(out, "out"),
+                      view(None if r2 is None else s, "sum"), float(eps), bool(scale_fp32), _stream(x))
+    return s.view(x.shape), out.view(x.shape)
 
 
 def attention_inputs(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor],
@@ -62,7 +77,7 @@ def attention_inputs(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: 
     D = k_cache.shape[-1]
     if qk_norm not in QK_NORM_CODES:
         raise ValueError(f"qk_norm: expected one of {tuple(QK_NORM_CODES)}, got {qk_norm!r}")
-    if qkv.device.type == "cuda":
+    if _kernel(qkv):
         q = qkv.new_empty(P, Hq, D)
         native().attention_inputs(view(qkv, "qkv"), view(q_norm, "q_norm"), view(k_norm, "k_norm"), view(cos, "cos"),
                                   view(sin, "sin"), view(k_cache, "k_cache"), view(v_cache, "v_cache"),
@@ -108,7 +123,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     B, T, Hq, D = q.shape
     if window and positions is None:
         raise ValueError("positions: needed with a sliding window")
-    if q.device.type == "cuda":
+    if _kernel(q):
         out = torch.empty_like(q)
         nbytes = native().tree_attention_workspace_size(B, T, Hq, D, k_cache.shape[2])
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None

@@ -21,7 +21,6 @@ Dimensions: B requests, T tokens each, P = B T, H hidden, Hq/Hkv heads, D head d
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from moespec._loader import native
 from moespec.models.moe import moe_forward
 from moespec.ops import ExpertBudget
-from moespec.ops.decoder import attention_inputs, rms_norm, tree_attention
+from moespec.ops.decoder import attention_inputs, enabled, rms_norm, tree_attention
 
 if TYPE_CHECKING:
     from moespec.models.cache import KVCache
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
 def supports(model: "TargetModel") -> bool:
     """Whether the fused forward runs ``model`` (else the graph steps run the reference forward);
     False when MOESPEC_FUSED_STEP=0."""
-    if os.environ.get("MOESPEC_FUSED_STEP", "1") == "0":
+    if not enabled():
         return False
     c, n = model.config, native()
     D = c.head_dim

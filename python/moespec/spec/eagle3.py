@@ -61,6 +61,7 @@ from moespec._loader import native
 from moespec._tensor import to_device, view
 from moespec.models.config import ModelConfig
 from moespec.models.runtime import TargetModel, rms_norm, rotate
+from moespec.ops import decoder as decoder_ops
 from moespec.ops.linear import linear
 from moespec.ops.routing import softmax_vector_width
 from moespec.runtime.state import RopeTable
@@ -368,13 +369,16 @@ class Eagle3Head(nn.Module):
             if out is not None:
                 return out
         residual, x = self._inputs(tokens, h)
-        q, k, v = self._qkv(x, positions)  # [B, Hq, T, D], [B, Hkv, T, D] x2
         # every entry writes, with no host synchronisation: padding (slot -1), and on a GPU slots past the
         # cache (not checked there: a check would synchronise), go to the discard slot max_len
         write = torch.where((slots >= 0) & (slots < cache.max_len), slots, cache.max_len)  # [B, T]
         request = torch.arange(B, device=slots.device)[:, None].expand(B, T)
-        cache.k[request, :, write] = k.transpose(1, 2)  # [B, T, Hkv, D]
-        cache.v[request, :, write] = v.transpose(1, 2)
+        D, a = c.head_dim, self.midlayer.self_attn  # rope and the cache writes: one launch on CUDA
+        cos, sin = (t.reshape(B * T, D) for t in self._rope(positions, x))
+        q = decoder_ops.attention_inputs(
+            linear(x, self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).reshape(B * T, -1), None, None, cos, sin,
+            cache.k, cache.v, request.reshape(-1), write.reshape(-1), num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads, qk_norm="none", eps=c.rms_norm_eps, clip=None).view(B, T, -1, D).transpose(1, 2)
         mask = visible.clone()
         mask[:, :, 0] |= ~visible.any(dim=-1)
         o = F.scaled_dot_product_attention(q, cache.k[:, :, :S], cache.v[:, :, :S], attn_mask=mask[:, None],
@@ -493,8 +497,11 @@ class Eagle3Head(nn.Module):
     def _inputs(self, tokens: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual [B, T, H] and the attention input cat(norm(embed), norm(h)) [B, T, 2H]."""
         m, eps = self.midlayer, self.config.rms_norm_eps
-        normed = rms_norm(h, m.hidden_norm.weight, eps)
-        emb = rms_norm(F.embedding(tokens, self.embed), m.input_layernorm.weight, eps)
+        def norm(x, weight, eps):  # (inference: the decoder op, one launch on CUDA)
+            return rms_norm(x, weight, eps) if torch.is_grad_enabled() else decoder_ops.rms_norm(x, weight, eps)[1]
+
+        normed = norm(h, m.hidden_norm.weight, eps)
+        emb = norm(F.embedding(tokens, self.embed), m.input_layernorm.weight, eps)
         residual = normed if self.config.norm_before_residual else h
         return residual, torch.cat((emb, normed), dim=-1)
 
@@ -511,19 +518,27 @@ class Eagle3Head(nn.Module):
         q = q.view(B, T, c.num_heads, D).transpose(1, 2)
         k = k.view(B, T, c.num_kv_heads, D).transpose(1, 2)
         v = v.view(B, T, c.num_kv_heads, D).transpose(1, 2)
+        cos, sin = (t[:, None] for t in self._rope(positions, x))  # [B, 1, T, D]
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def _rope(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] at ``positions`` [B, T], in x's dtype and on its device."""
         if self._inv_freq.device != x.device:
             self._inv_freq = self._inv_freq.to(x.device)
         freqs = positions.to(x.device)[..., None].float() * self._inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]  # [B, 1, T, D]
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
     def _finish(self, residual: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Attention output [B, Hq, T, D] -> o_proj, residual, SwiGLU MLP, residual: [B, T, H]."""
         m, eps = self.midlayer, self.config.rms_norm_eps
         B, _, T, _ = o.shape
-        h = residual + linear(o.transpose(1, 2).reshape(B, T, -1), m.self_attn.o_proj.weight)
-        x = rms_norm(h, m.post_attention_layernorm.weight, eps)
+        attended = linear(o.transpose(1, 2).reshape(B, T, -1), m.self_attn.o_proj.weight)
+        if torch.is_grad_enabled():
+            h = residual + attended
+            x = rms_norm(h, m.post_attention_layernorm.weight, eps)
+        else:  # the residual add and the norm: one launch on CUDA
+            h, x = decoder_ops.rms_norm(attended, m.post_attention_layernorm.weight, eps, residual=residual)
         if torch.is_grad_enabled():
             gate, up = linear(x, m.mlp.gate_proj.weight), linear(x, m.mlp.up_proj.weight)
         else:
