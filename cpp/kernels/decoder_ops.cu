@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "device_common.cuh"
 #include "moespec/decoder_ops.h"
 #include "moespec/error.h"
 
@@ -36,8 +37,8 @@ namespace moespec {
 namespace cuda {
 namespace {
 
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
+using namespace device;  // kWarp, kFullMask, to_f, from_f, warp_sum
+
 constexpr int kThreads = 256;          // every kernel's block (combine: 128)
 constexpr int kWarpsPerBlock = kThreads / kWarp;  // tree_attention: tokens a block
 constexpr int kWordsPerLane = 4;       // tree_attention: 32-bit words of a cache row a lane accumulates
@@ -46,22 +47,9 @@ constexpr int kTargetBlocks = 528;     // tree_attention splits until about 4 bl
 constexpr int kMaxSplits = 32;
 constexpr int kMinSplitSlots = 64;
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 // What the model dtype makes of a value (torch rounds each elementwise op's result).
 template <typename T>
 __device__ __forceinline__ float rnd(float v) { return to_f(from_f<T>(v)); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
 
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = kWarp / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "device_common.cuh"
 #include "moespec/error.h"
 #include "moespec/moe_experts.h"
 
@@ -49,9 +50,9 @@ namespace moespec {
 namespace cuda {
 namespace {
 
+using namespace device;  // kWarp, kFullMask, to_f, from_f, warp_sum
+
 // T tokens, K slots per token, E experts, H hidden, I intermediate, S used slots (<= T K).
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarps = 8;                        // warps per block of the product kernels
 constexpr int kRowsPerWarp = 4;                  // weight rows a warp owns
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
@@ -95,15 +96,6 @@ Workspace carve(void* base, int64_t T, int64_t K, int64_t E, int64_t I, std::siz
 
 // ---- element access ---------------------------------------------------------------------------
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename W>
-__device__ __forceinline__ W from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
 // 16 bytes of W as floats.
 template <typename W>
 struct Pack;
@@ -128,12 +120,6 @@ struct Pack<__nv_bfloat16> {
     }
   }
 };
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
 
 // acc[m][j] += row_m . act_j over n elements, for `rows` weight rows (row m at w + m * ldw) and
 // `tok` activation rows (act_j at act + idx[j] * lda); each lane sums its own elements (16-byte
