@@ -481,3 +481,31 @@ def test_roofline_command_writes_json_and_plot(tiny, tmp_path, capsys):
     assert not any("draft" in r["step"] for r in data["steps"])  # no head, no draft step
     assert main(["roofline", "--engine", str(tiny["plain"]), "--budget", "2", "--stream-gib", "0.01"]) == 2
     assert "below top_k" in capsys.readouterr().err
+
+
+def test_gpu_check_plots_from_its_json(tmp_path):
+    """tests/gpu/plot_results.py draws the GPU check's JSON (the 2026-12-04 H200 run kept in
+    tests/gpu/results/; and a runtime row set with the graphs' reference-forward column), and says so
+    when the folder has none."""
+    import importlib.util
+    import shutil
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("plot_results", root / "tests" / "gpu" / "plot_results.py")
+    plot_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_results)
+    results = root / "tests" / "gpu" / "results" / "h200-2026-12-04"
+    assert plot_results.main([str(results), "--out", str(tmp_path / "a")]) == 0
+    for name in ("gpu_steps.png", "gpu_moe_kernel.png"):
+        assert (tmp_path / "a" / name).stat().st_size > 10_000
+    bench = json.loads((results / "runtime_bench.json").read_text())
+    for row in bench["rows"]:
+        row["graphs_reference_forward_ms"] = row["graphs_ms"] * 1.5
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "runtime_bench.json").write_text(json.dumps(bench))
+    assert plot_results.main([str(tmp_path / "in"), "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "gpu_steps.png").stat().st_size > 10_000
+    assert not (tmp_path / "b" / "gpu_moe_kernel.png").exists()
+    shutil.rmtree(tmp_path / "in")
+    (tmp_path / "in").mkdir()
+    assert plot_results.main([str(tmp_path / "in")]) == 2

@@ -6,7 +6,13 @@
 - :func:`experts_plot`: unique experts per MoE layer per verify step by policy: the mean over layers
   (bars: kept, outlined: natural) and, beside it, each layer's mean kept count.
 
-Both take the ``policies`` rows of the compare JSON (:mod:`moespec.bench.run`).
+Both take the ``policies`` rows of the compare JSON (:mod:`moespec.bench.run`). The GPU check's
+timings (tests/gpu/run.sh's JSON; tests/gpu/plot_results.py draws them on a machine with matplotlib):
+
+- :func:`gpu_steps_plot`: the runtime's verify step time against the unique experts a layer read
+  (eager, graphs, graphs of the reference forward where timed, the roofline), and step / roofline by T;
+- :func:`gpu_moe_plot`: the MoE kernel's share of the copy bandwidth against active experts, by
+  shape and T, with the 70% target, and its speed-up over the best torch path.
 """
 
 from __future__ import annotations
@@ -102,6 +108,64 @@ def experts_plot(rows: Sequence[dict[str, Any]], layers: dict[str, Sequence[floa
     if any(layers.values()):
         right.legend(fontsize=8)
     right.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def gpu_steps_plot(bench: dict[str, Any], path: Union[str, Path]) -> Path:
+    """``bench``: tests/gpu/bench_runtime_cuda.py's runtime_bench.json."""
+    plt = _pyplot()
+    rows = bench["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    series = [("ms", "eager (reference backend)", "o"), ("graphs_reference_forward_ms", "graphs, reference forward", "s"),
+              ("graphs_ms", "graphs" + (" (fused forward)" if any("graphs_reference_forward_ms" in r for r in rows)
+                                         else ""), "D"), ("roofline_ms", "roofline (bytes / copy bandwidth)", "_")]
+    for key, label, marker in series:
+        points = sorted((r["unique"], r[key]) for r in rows if key in r)
+        if points:
+            left.scatter(*zip(*points), marker=marker, label=label, s=30)
+    left.set_yscale("log")
+    left.set_xlabel("unique experts a layer read (verify of T tokens, budget off or B)")
+    left.set_ylabel("step time, ms")
+    left.set_title(f"Verify steps, {bench.get('device', 'GPU')}")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    for budget in sorted({r["budget"] for r in rows}, key=lambda b: (b is not None, b or 0)):
+        own = sorted((r["T"], r["graphs_ms"] / r["roofline_ms"]) for r in rows if r["budget"] == budget)
+        right.plot(*zip(*own), marker="o", label="budget off" if budget is None else f"budget {budget}")
+    right.axhline(1.15, color="gray", linestyle="--", label="target: within 15% of the roofline")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("T (new tokens in the verify pass)")
+    right.set_ylabel("graphs step / roofline")
+    right.set_title("Distance to the roofline")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def gpu_moe_plot(bench: dict[str, Any], path: Union[str, Path]) -> Path:
+    """``bench``: tests/gpu/bench_moe_experts_cuda.py's moe_experts_bench.json."""
+    plt = _pyplot()
+    rows = [r for r in bench["rows"] if "active" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = dict(zip(sorted({r["T"] for r in rows}), ("o:", "s-.", "D-", "^--", "v-", "x-")))
+    for color, shape in zip(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"),
+                            dict.fromkeys(r["shape"] for r in rows)):  # a colour a shape, a style a T
+        for T in sorted({r["T"] for r in rows if r["shape"] == shape}):
+            own = sorted((r["active"], r["of_copy"], r["x_torch"]) for r in rows if r["shape"] == shape and r["T"] == T)
+            x = [o[0] for o in own]
+            left.plot(x, [100 * o[1] for o in own], styles.get(T, "o-"), color=color, label=f"{shape} T={T}")
+            right.plot(x, [o[2] for o in own], styles.get(T, "o-"), color=color, label=f"{shape} T={T}")
+    left.axhline(70, color="gray", linestyle="--", label="target at T <= 16: 70%")
+    right.axhline(1.5, color="gray", linestyle="--", label="target: 1.5x")
+    for ax, label, title in ((left, "% of the device copy bandwidth", "Bytes of the active experts / time"),
+                             (right, "best torch path / moespec", "Against torch's grouped_mm and a per-expert loop")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("active experts")
+        ax.set_ylabel(label)
+        ax.set_title(f"{title}, {bench.get('device', 'GPU')}" if ax is left else title, fontsize=10)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=6, ncol=2)
+    right.legend(fontsize=6, ncol=2)
     return _save(plt, fig, path)
 
 
