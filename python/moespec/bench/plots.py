@@ -116,9 +116,10 @@ def gpu_steps_plot(bench: dict[str, Any], path: Union[str, Path]) -> Path:
     plt = _pyplot()
     rows = bench["rows"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    both = any("graphs_reference_forward_ms" in r for r in rows)  # (runs since the fused forward time both)
     series = [("ms", "eager (reference backend)", "o"), ("graphs_reference_forward_ms", "graphs, reference forward", "s"),
-              ("graphs_ms", "graphs" + (" (fused forward)" if any("graphs_reference_forward_ms" in r for r in rows)
-                                         else ""), "D"), ("roofline_ms", "roofline (bytes / copy bandwidth)", "_")]
+              ("graphs_ms", "graphs (fused forward)" if both else "graphs", "D"),
+              ("roofline_ms", "roofline (bytes / copy bandwidth)", "_")]
     for key, label, marker in series:
         points = sorted((r["unique"], r[key]) for r in rows if key in r)
         if points:

@@ -18,9 +18,10 @@ The forward is :class:`moespec.runtime.fused.FusedForward` where the model fits 
 forward's semantics with the attention half of each layer in moespec's decoder ops: a few launches
 a layer, attention over the used slots only, the cache length read on the device), else
 :class:`moespec.runtime.backend.ReferenceBackend`'s on a batch whose index tensors are the static
-buffers, whose attention covers all S_max slots with a mask (the price of a fixed shape). On the CPU there are no graphs: the same static steps run eagerly, which is what the CPU
-tests hold against the reference path (tests/python/test_graphs.py); tests/gpu/test_runtime_cuda.py
-holds graph replay against eager on a GPU.
+buffers, whose attention covers all S_max slots with a mask (the price of a fixed shape). On the
+CPU there are no graphs: the same static steps run eagerly, which is what the CPU tests hold against
+the reference path (tests/python/test_graphs.py); tests/gpu/test_runtime_cuda.py holds graph replay
+against eager on a GPU.
 """
 
 from __future__ import annotations
@@ -166,8 +167,8 @@ class GraphBackend:
         if step is None:
             if len(self.steps) >= MAX_BUCKETS:
                 return self.reference.forward(cache, seqs, parents, budget, last_only)
-            step = self.steps[key] = StaticStep(self.reference, cache, len(seqs), T, budget, self.pool,
-                                                        self.fused)
+            step = StaticStep(self.reference, cache, len(seqs), T, budget, self.pool, self.fused)
+            self.steps[key] = step
         step.load(geo if geo is not None else step_geometry(seqs, cache.lengths, parents), list(cache.lengths))
         out = step.run()
         logits = out.logits[:, -1] if last_only else out.logits  # every request has T tokens

@@ -378,7 +378,8 @@ class Eagle3Head(nn.Module):
         q = decoder_ops.attention_inputs(
             linear(x, self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).reshape(B * T, -1), None, None, cos, sin,
             cache.k, cache.v, request.reshape(-1), write.reshape(-1), num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads, qk_norm="none", eps=c.rms_norm_eps, clip=None).view(B, T, -1, D).transpose(1, 2)
+            num_kv_heads=c.num_kv_heads, qk_norm="none", eps=c.rms_norm_eps, clip=None)
+        q = q.view(B, T, -1, D).transpose(1, 2)  # [B, Hq, T, D]
         mask = visible.clone()
         mask[:, :, 0] |= ~visible.any(dim=-1)
         o = F.scaled_dot_product_attention(q, cache.k[:, :, :S], cache.v[:, :, :S], attn_mask=mask[:, None],
@@ -497,9 +498,7 @@ class Eagle3Head(nn.Module):
     def _inputs(self, tokens: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual [B, T, H] and the attention input cat(norm(embed), norm(h)) [B, T, 2H]."""
         m, eps = self.midlayer, self.config.rms_norm_eps
-        def norm(x, weight, eps):  # (inference: the decoder op, one launch on CUDA)
-            return rms_norm(x, weight, eps) if torch.is_grad_enabled() else decoder_ops.rms_norm(x, weight, eps)[1]
-
+        norm = rms_norm if torch.is_grad_enabled() else lambda t, w, e: decoder_ops.rms_norm(t, w, e)[1]  # noqa: E731
         normed = norm(h, m.hidden_norm.weight, eps)
         emb = norm(F.embedding(tokens, self.embed), m.input_layernorm.weight, eps)
         residual = normed if self.config.norm_before_residual else h
