@@ -12,7 +12,7 @@
 //   attention_inputs_kernel  one block a token: q and k in shared memory as fp32 (clipped and
 //                            normed: a warp per head, or the block over all heads), then rope (each
 //                            element with its rotate-half partner), q out, k and v to the cache.
-//   tree_attention_kernel    grid (split, query head, request x group of 8 tokens), 8 warps a block,
+//   tree_attention_kernel    grid (split, query head, group of <= 8 tokens of one request), 8 warps,
 //                            a warp a token: the split's slots staged 32 or 64 at a time in shared
 //                            memory (16-byte loads; rows padded to an odd word count: the per-slot
 //                            dot products read without bank conflicts), a lane per slot for q.k,
@@ -41,6 +41,7 @@ using namespace device;  // kWarp, kFullMask, to_f, from_f, warp_sum
 
 constexpr int kThreads = 256;          // every kernel's block (combine: 128)
 constexpr int kWarpsPerBlock = kThreads / kWarp;  // tree_attention: tokens a block
+static_assert(kWarpsPerBlock == kTreeGroupTokens, "tree_attention: a warp a token of the group");
 constexpr int kWordsPerLane = 4;       // tree_attention: 32-bit words of a cache row a lane accumulates
 constexpr int kMaxMaskWords = (kMaxTreeTokens + 31) / 32;
 constexpr int kTargetBlocks = 528;     // tree_attention splits until about 4 blocks an SM of an H100/H200
@@ -179,8 +180,8 @@ __global__ void __launch_bounds__(kThreads) attention_inputs_kernel(
 // ---- tree_attention -------------------------------------------------------------------------------
 
 struct TreeShape {
-  int T, Hq, Hkv, D, W, splits;
-  int64_t S, window;  // window 0: none
+  int B, Hq, Hkv, D, W, splits;
+  int64_t P, S, window;  // window 0: none
   float scale;
   bool sinks_f32;  // the sinks' dtype: float32, or the model's
 };
@@ -202,8 +203,9 @@ __device__ __forceinline__ void split_range(int64_t end, int splits, int chunk, 
 template <typename T, int kChunk>  // kChunk: slots staged at a time (32 or 64: one or two a lane)
 __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int64_t* __restrict__ start, const int32_t* __restrict__ mask, const int64_t* __restrict__ positions,
-    const void* __restrict__ sinks, T* __restrict__ out, float* __restrict__ partial, TreeShape s) {
+    const int64_t* __restrict__ start, const int64_t* __restrict__ offsets, const int32_t* __restrict__ groups,
+    const int32_t* __restrict__ mask, const int64_t* __restrict__ positions, const void* __restrict__ sinks,
+    T* __restrict__ out, float* __restrict__ partial, TreeShape s) {
   constexpr int kPerWord = 4 / sizeof(T);  // elements in a 32-bit word
   extern __shared__ uint32_t smem[];
   __shared__ int64_t new_pos[kMaxTreeTokens];  // (a window) the new slots' positions
@@ -212,27 +214,30 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
   uint32_t* ks = smem;                                      // [kChunk, stride]
   uint32_t* vs = ks + kChunk * stride;                      // [kChunk, stride]
   float* qs = reinterpret_cast<float*>(vs + kChunk * stride);  // [warps, D]
-  const int c = blockIdx.x, h = blockIdx.y;
-  const int groups = (s.T + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const int b = blockIdx.z / groups, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int t = (blockIdx.z % groups) * kWarpsPerBlock + warp;
-  const bool active = t < s.T;
+  const int c = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int32_t* group = groups + 3 * static_cast<int64_t>(blockIdx.z);  // (request, first row, count)
+  const int b = group[0];
+  if (b < 0 || b >= s.B) return;  // (block-uniform, before any barrier; the host built the groups)
+  const int64_t first = offsets[b], rows = offsets[b + 1] - first;  // the request's tokens
+  const int64_t p = static_cast<int64_t>(group[1]) + warp;  // this warp's token
+  const bool active = warp < group[2] && p < s.P;
   const int g = h / (s.Hq / s.Hkv);
   int64_t st = start[b];
   st = st < 0 ? 0 : (st > s.S ? s.S : st);
-  const int64_t end = st + s.T < s.S ? st + s.T : s.S;  // the request's tokens see no slot past it
+  const int64_t n = rows < 0 ? 0 : (rows > 32 * s.W ? 32 * s.W : rows);  // its new slots (a mask row has 32 W bits)
+  const int64_t end = st + n < s.S ? st + n : s.S;  // the request's tokens see no slot past it
   int64_t lo, hi;
   split_range(end, s.splits, kChunk, c, lo, hi);
-  const int64_t row = (static_cast<int64_t>(b) * s.T + t) * s.Hq + h;  // of q, out (when active)
+  const int64_t row = p * s.Hq + h;  // of q, out (when active)
   uint32_t bits[kMaxMaskWords] = {};
   int64_t q_pos = 0;
   if (s.window > 0) {  // (read after the chunk loop's first barrier)
-    for (int j = threadIdx.x; j < s.T; j += blockDim.x) new_pos[j] = positions[static_cast<int64_t>(b) * s.T + j];
-    if (active) q_pos = positions[static_cast<int64_t>(b) * s.T + t];
+    for (int j = threadIdx.x; j < n; j += blockDim.x) new_pos[j] = positions[first + j];
+    if (active) q_pos = positions[p];
   }
   if (active) {
     for (int d = lane; d < D; d += kWarp) qs[warp * D + d] = to_f(q[row * D + d]);
-    for (int w = 0; w < s.W; ++w) bits[w] = static_cast<uint32_t>(mask[(static_cast<int64_t>(b) * s.T + t) * s.W + w]);
+    for (int w = 0; w < s.W; ++w) bits[w] = static_cast<uint32_t>(mask[p * s.W + w]);
   }
   const T* kb = k_cache + (static_cast<int64_t>(b) * s.Hkv + g) * s.S * D;
   const T* vb = v_cache + (static_cast<int64_t>(b) * s.Hkv + g) * s.S * D;
@@ -389,42 +394,42 @@ void launch_attention_inputs(const AttentionInputsArgs& a, cudaStream_t stream) 
 
 template <typename T>
 void launch_tree_attention(const TreeAttentionArgs& a, float* partial, cudaStream_t stream) {
-  const int64_t B = a.q.shape[0], T_ = a.q.shape[1], Hq = a.q.shape[2], D = a.q.shape[3];
-  const TreeShape s{static_cast<int>(T_), static_cast<int>(Hq), static_cast<int>(a.k_cache.shape[1]),
-                    static_cast<int>(D), static_cast<int>(a.mask.shape[2]),
-                    static_cast<int>(tree_attention_splits(B, T_, Hq, a.k_cache.shape[2])), a.k_cache.shape[2],
+  const int64_t P = a.q.shape[0], Hq = a.q.shape[1], D = a.q.shape[2], G = a.groups.shape[0];
+  const TreeShape s{static_cast<int>(a.k_cache.shape[0]), static_cast<int>(Hq), static_cast<int>(a.k_cache.shape[1]),
+                    static_cast<int>(D), static_cast<int>(a.mask.shape[1]),
+                    static_cast<int>(tree_attention_splits(G, Hq, a.k_cache.shape[2])), P, a.k_cache.shape[2],
                     a.window, a.scale, a.sinks.defined() && a.sinks.dtype == DType::kFloat32};
   const void* sinks = a.sinks.defined() ? a.sinks.data : nullptr;
   const int chunk = tree_chunk(D, a.q.dtype);
   const int64_t words = D * static_cast<int64_t>(sizeof(T)) / 4;
   const std::size_t shared = (2 * chunk * (words + 1)) * sizeof(uint32_t) + kWarpsPerBlock * D * sizeof(float);
-  const dim3 grid(s.splits, static_cast<unsigned>(Hq),
-                  static_cast<unsigned>(B * ((T_ + kWarpsPerBlock - 1) / kWarpsPerBlock)));
+  const dim3 grid(s.splits, static_cast<unsigned>(Hq), static_cast<unsigned>(G));
   auto kernel = chunk == 64 ? tree_attention_kernel<T, 64> : tree_attention_kernel<T, 32>;
   kernel<<<grid, kThreads, shared, stream>>>(data<T>(a.q), data<T>(a.k_cache), data<T>(a.v_cache),
-                                             data<int64_t>(a.start), data<int32_t>(a.mask), data<int64_t>(a.positions),
-                                             sinks, a.out.ptr<T>(), partial, s);
+                                             data<int64_t>(a.start), data<int64_t>(a.offsets), data<int32_t>(a.groups),
+                                             data<int32_t>(a.mask), data<int64_t>(a.positions), sinks, a.out.ptr<T>(),
+                                             partial, s);
   if (s.splits > 1) {
     check_launch("tree_attention");
-    combine_kernel<T><<<static_cast<unsigned>(B * T_ * Hq), 128, 0, stream>>>(
+    combine_kernel<T><<<static_cast<unsigned>(P * Hq), 128, 0, stream>>>(
         partial, sinks, a.out.ptr<T>(), s.splits, static_cast<int>(D), static_cast<int>(Hq), s.sinks_f32);
   }
 }
 
 }  // namespace
 
-int64_t tree_attention_splits(int64_t B, int64_t T, int64_t num_heads, int64_t max_slots) {
-  const int64_t blocks = std::max<int64_t>(1, B * num_heads * ((T + kWarpsPerBlock - 1) / kWarpsPerBlock));
+int64_t tree_attention_splits(int64_t groups, int64_t num_heads, int64_t max_slots) {
+  const int64_t blocks = std::max<int64_t>(1, groups * num_heads);
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, (max_slots + kMinSplitSlots - 1) / kMinSplitSlots));
   return std::max<int64_t>(1, std::min<int64_t>(most, (kTargetBlocks + blocks - 1) / blocks));
 }
 
-std::size_t tree_attention_workspace_size(int64_t B, int64_t T, int64_t num_heads, int64_t head_dim,
+std::size_t tree_attention_workspace_size(int64_t P, int64_t groups, int64_t num_heads, int64_t head_dim,
                                           int64_t max_slots) {
-  if (B < 1 || T < 1 || num_heads < 1 || head_dim < 1 || max_slots < 1) return 0;
-  const int64_t splits = tree_attention_splits(B, T, num_heads, max_slots);
+  if (P < 1 || groups < 1 || num_heads < 1 || head_dim < 1 || max_slots < 1) return 0;
+  const int64_t splits = tree_attention_splits(groups, num_heads, max_slots);
   if (splits == 1) return 0;
-  return static_cast<std::size_t>(B * T * num_heads * splits * (head_dim + 2)) * sizeof(float);
+  return static_cast<std::size_t>(P * num_heads * splits * (head_dim + 2)) * sizeof(float);
 }
 
 void rms_norm(const RmsNormArgs& a, void* stream) {
@@ -454,11 +459,12 @@ void attention_inputs(const AttentionInputsArgs& a, void* stream) {
 void tree_attention(const TreeAttentionArgs& a, void* workspace, std::size_t workspace_bytes, void* stream) {
   validate_tree_attention(a);
   check_cuda_args(a.q, "q", "tree_attention");
-  const int64_t B = a.q.shape[0], T = a.q.shape[1], Hq = a.q.shape[2], D = a.q.shape[3], S = a.k_cache.shape[2];
-  const std::size_t need = tree_attention_workspace_size(B, T, Hq, D, S);
+  const int64_t P = a.q.shape[0], G = a.groups.shape[0], Hq = a.q.shape[1], D = a.q.shape[2];
+  const std::size_t need = tree_attention_workspace_size(P, G, Hq, D, a.k_cache.shape[2]);
   MOESPEC_CHECK_ARG(need == 0 || (workspace != nullptr && workspace_bytes >= need), "workspace", "needs ", need,
                     " bytes (tree_attention_workspace_size), got ", workspace_bytes);
-  if (B == 0) return;
+  MOESPEC_CHECK_ARG(G <= 65535, "groups", "at most 65535 groups a call, got ", G);
+  if (P == 0 || G == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
   if (a.q.dtype == DType::kBFloat16)
     launch_tree_attention<__nv_bfloat16>(a, static_cast<float*>(workspace), s);

@@ -39,7 +39,7 @@ void moe_experts(const MoeExpertsArgs&, void*, std::size_t, void*) {
   no_cuda();
 }
 
-int64_t tree_attention_splits(int64_t, int64_t, int64_t, int64_t) { return 1; }
+int64_t tree_attention_splits(int64_t, int64_t, int64_t) { return 1; }
 
 std::size_t tree_attention_workspace_size(int64_t, int64_t, int64_t, int64_t, int64_t) { return 0; }
 

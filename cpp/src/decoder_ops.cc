@@ -87,32 +87,32 @@ void validate_attention_inputs(const AttentionInputsArgs& a) {
 
 void validate_tree_attention(const TreeAttentionArgs& a) {
   check_float(a.q, "q");
-  check_ndim(a.q, "q", 4);
-  const int64_t B = a.q.shape[0], T = a.q.shape[1], Hq = a.q.shape[2], D = a.q.shape[3];
-  MOESPEC_CHECK_ARG(T >= 1 && T <= kMaxTreeTokens, "q", "tokens per request T must be in [1, ", kMaxTreeTokens,
-                    "], got ", a.q.describe());
+  check_ndim(a.q, "q", 3);
+  const int64_t P = a.q.shape[0], Hq = a.q.shape[1], D = a.q.shape[2];
   const int64_t max_d = a.q.dtype == DType::kFloat32 ? kMaxHeadDim / 2 : kMaxHeadDim;
   MOESPEC_CHECK_ARG(D >= 8 && D <= max_d && D % 8 == 0, "q", "head dim D must be a multiple of 8 in [8, ", max_d,
                     "] (16-byte rows), got ", a.q.describe());
-  check_view(a.k_cache, "k_cache", {a.q.dtype}, {B, a.k_cache.shape[1], a.k_cache.shape[2], D}, a.q.device,
-             a.q.device_index);
+  check_view(a.k_cache, "k_cache", {a.q.dtype}, {a.k_cache.shape[0], a.k_cache.shape[1], a.k_cache.shape[2], D},
+             a.q.device, a.q.device_index);
   check_contiguous(a.k_cache, "k_cache");
-  const int64_t Hkv = a.k_cache.shape[1], S = a.k_cache.shape[2];
+  const int64_t B = a.k_cache.shape[0], Hkv = a.k_cache.shape[1], S = a.k_cache.shape[2];
   MOESPEC_CHECK_ARG(Hkv >= 1 && Hq % Hkv == 0, "k_cache", "query heads ", Hq, " must be a multiple of key-value heads, got ",
                     a.k_cache.describe());
   MOESPEC_CHECK_ARG(S >= 1, "k_cache", "needs at least one slot, got ", a.k_cache.describe());
   check_like(a.v_cache, "v_cache", a.k_cache, {B, Hkv, S, D});
   check_index(a.start, "start", a.q, B);
-  const int64_t W = (T + 31) / 32;
-  check_view(a.mask, "mask", {DType::kInt32}, {B, T, W}, a.q.device, a.q.device_index);
+  check_index(a.offsets, "offsets", a.q, B + 1);
+  check_view(a.groups, "groups", {DType::kInt32}, {a.groups.shape[0], 3}, a.q.device, a.q.device_index);
+  check_contiguous(a.groups, "groups");
+  check_view(a.mask, "mask", {DType::kInt32}, {P, a.mask.shape[1]}, a.q.device, a.q.device_index);
   check_contiguous(a.mask, "mask");
-  check_like(a.out, "out", a.q, {B, T, Hq, D});
+  const int64_t W = a.mask.shape[1];
+  MOESPEC_CHECK_ARG(W >= 1 && W <= (kMaxTreeTokens + 31) / 32, "mask", "expected 1 to ", (kMaxTreeTokens + 31) / 32,
+                    " words a row (at most ", kMaxTreeTokens, " new tokens a request), got ", a.mask.describe());
+  check_like(a.out, "out", a.q, {P, Hq, D});
   MOESPEC_CHECK_ARG(a.scale > 0.0f, "scale", "must be > 0, got ", a.scale);
   MOESPEC_CHECK_ARG(a.window >= 0, "window", "must be >= 0 (0: none), got ", a.window);
-  if (a.window > 0 || a.positions.defined()) {
-    check_view(a.positions, "positions", {DType::kInt64}, {B, T}, a.q.device, a.q.device_index);
-    check_contiguous(a.positions, "positions");
-  }
+  if (a.window > 0 || a.positions.defined()) check_index(a.positions, "positions", a.q, P);
   if (a.sinks.defined()) {
     check_view(a.sinks, "sinks", {DType::kFloat32, a.q.dtype}, {Hq}, a.q.device, a.q.device_index);
     check_contiguous(a.sinks, "sinks");

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 require_cuda_build()
 
 from moespec._loader import native  # noqa: E402
-from moespec.ops.decoder import attention_inputs, rms_norm, tree_attention  # noqa: E402
+from moespec.ops.decoder import attention_groups, attention_inputs, rms_norm, tree_attention  # noqa: E402
 from moespec.runtime.state import step_geometry  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -87,101 +87,100 @@ def test_attention_inputs_match_torch(Hq, Hkv, D, qk_norm, clip, dtype):
     assert torch.equal(gpu[6].cpu(), vc), "v is copied (clipped) as it is"
 
 
-def tree_words(parents: list[int]) -> torch.Tensor:
-    """int32 [T, W]: the tree's ancestor-or-self rows as the runtime packs them (bit j of row i: node j
-    is i or an ancestor of i)."""
-    return step_geometry([[0] * len(parents)], [0], [parents]).mask
-
-
 def random_parents(rng: random.Random, T: int) -> list[int]:
-    return [-1] + [rng.randrange(i) for i in range(1, T)]
+    return [-1] + [rng.randrange(i) for i in range(1, T)] if T else []
 
 
-def tree_inputs(seed: int, B: int, T: int, Hq: int, Hkv: int, D: int, S: int, dtype):
-    """q, the caches, start, the trees' mask words [B, T, W] and the new tokens' positions [B, T]
-    (start + depth)."""
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    q = rand(gen, B, T, Hq, D, dtype=dtype)
-    kc, vc = caches(gen, B, Hkv, S, D, dtype)
-    start = torch.tensor([rng.randrange(0, S - T + 1) for _ in range(B)])
-    start[0] = 0 if B > 1 else start[0]  # (a request with no committed slot)
-    trees = [random_parents(rng, T) for _ in range(B)]
-    words = torch.stack([tree_words(p) for p in trees]).to(torch.int32)  # [B, T, W]
-    depth = torch.zeros(B, T, dtype=torch.long)
-    for b, parents in enumerate(trees):
-        for i in range(1, T):
-            depth[b, i] = depth[b, parents[i]] + 1
-    return q, kc, vc, start, words, start[:, None] + depth
+class TreeInputs:
+    """Packed requests with ``num[b]`` tree tokens each: q [P, Hq, D], the caches [B, Hkv, S, D],
+    start [B], offsets [B + 1] and the blocks' groups, the trees' mask words [P, W] and positions [P]
+    (start + depth), on the CPU; ``.cuda()``: the same on the GPU."""
+
+    def __init__(self, seed: int, num: list[int], Hq: int, Hkv: int, D: int, S: int, dtype):
+        rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        B, T = len(num), max(num)
+        self.num, self.q = num, rand(gen, sum(num), Hq, D, dtype=dtype)
+        self.k, self.v = caches(gen, B, Hkv, S, D, dtype)
+        start = [rng.randrange(0, S - T + 1) for _ in range(B)]
+        start[0] = 0 if B > 1 else start[0]  # (a request with no committed slot)
+        geo = step_geometry([[0] * n for n in num], start, [random_parents(rng, n) for n in num])
+        self.start, self.offsets = torch.tensor(start), torch.tensor(geo.offsets)
+        self.groups, self.words, self.positions = attention_groups(geo.offsets), geo.mask, geo.positions.long()
+
+    def cuda(self) -> "TreeInputs":
+        out = object.__new__(TreeInputs)
+        out.__dict__ = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        return out
+
+    def attend(self, dtype=None, **kw) -> torch.Tensor:
+        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+        return tree_attention(cast(self.q), cast(self.k), cast(self.v), self.start, self.offsets, self.groups,
+                              self.words, self.q.shape[-1] ** -0.5, **kw)
 
 
-def check_tree_attention(seed, B, T, Hq, Hkv, D, S, dtype, window=0, sinks=False):
+def check_tree_attention(seed, num, Hq, Hkv, D, S, dtype, window=0, sinks=False):
     """The kernel against the torch version in fp32 (the kernel's own precision: fp32 scores and
     softmax, the output rounded once)."""
-    q, kc, vc, start, words, positions = tree_inputs(seed, B, T, Hq, Hkv, D, S, dtype)
+    cpu = TreeInputs(seed, num, Hq, Hkv, D, S, dtype)
     sink = torch.randn(Hq, generator=torch.Generator().manual_seed(seed)) * 2 if sinks else None
-    kw = dict(positions=positions, window=window, sinks=sink)
-    want = tree_attention(q.float(), kc.float(), vc.float(), start, words, D**-0.5, **kw)
-    gkc, gvc = kc.to(CUDA), vc.to(CUDA)
-    for b in range(B):  # slots no token of request b sees: never read
-        gkc[b, :, int(start[b]) + T:] = float("nan")
-        gvc[b, :, int(start[b]) + T:] = float("nan")
-    gkw = dict(positions=positions.to(CUDA), window=window, sinks=sink.to(CUDA) if sinks else None)
-    got = tree_attention(q.to(CUDA), gkc, gvc, start.to(CUDA), words.to(CUDA), D**-0.5, **gkw)
-    assert_close(got, want, dtype, f"tree_attention B={B} T={T} Hq={Hq} Hkv={Hkv} D={D} S={S} window={window} "
+    want = cpu.attend(torch.float32, positions=cpu.positions, window=window, sinks=sink)
+    gpu = cpu.cuda()
+    for b, n in enumerate(num):  # slots no token of request b sees: never read
+        gpu.k[b, :, int(cpu.start[b]) + n:] = float("nan")
+        gpu.v[b, :, int(cpu.start[b]) + n:] = float("nan")
+    kw = dict(positions=gpu.positions, window=window, sinks=sink.to(CUDA) if sinks else None)
+    got = gpu.attend(**kw)
+    assert_close(got, want, dtype, f"tree_attention num={num} Hq={Hq} Hkv={Hkv} D={D} S={S} window={window} "
                                    f"sinks={sinks}")
-    again = tree_attention(q.to(CUDA), gkc, gvc, start.to(CUDA), words.to(CUDA), D**-0.5, **gkw)
-    assert torch.equal(got, again), "deterministic"
+    assert torch.equal(got, gpu.attend(**kw)), "deterministic"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,T,Hq,Hkv,D,S", [
-    (1, 1, 32, 4, 128, 4096),  # decode at a long cache: many splits
-    (1, 16, 32, 4, 128, 600),  # a verify tree
-    (8, 64, 32, 4, 128, 300),  # one split: written directly
-    (2, 130 - 2, 4, 1, 64, 200),  # T = 128: four mask words
-    (3, 5, 8, 8, 256, 70),
+@pytest.mark.parametrize("num,Hq,Hkv,D,S", [
+    ([1], 32, 4, 128, 4096),  # decode at a long cache: many splits
+    ([16], 32, 4, 128, 600),  # a verify tree
+    ([64] * 8, 32, 4, 128, 300),  # one split: written directly
+    ([128, 3], 4, 1, 64, 200),  # 128 tokens: four mask words; unequal requests
+    ([5, 0, 7], 8, 8, 256, 70),  # a request without tokens
 ])
 @pytest.mark.parametrize("window,sinks", [(0, False), (128, True)])  # (GPT-OSS: a 128-position window, sinks)
-def test_tree_attention_matches_torch(B, T, Hq, Hkv, D, S, dtype, window, sinks):
+def test_tree_attention_matches_torch(num, Hq, Hkv, D, S, dtype, window, sinks):
     if dtype == torch.float32 and D > native().kMaxHeadDim // 2:
         pytest.skip("float32 takes D <= 128")
-    check_tree_attention(B * 1000 + T, B, T, Hq, Hkv, D, S, dtype, window, sinks)
+    check_tree_attention(sum(num) * 7 + len(num), num, Hq, Hkv, D, S, dtype, window, sinks)
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**20), B=st.integers(1, 3), T=st.integers(1, 70),
-       heads=st.sampled_from([(4, 1), (8, 2), (4, 4)]), D=st.sampled_from([64, 128]), extra=st.integers(0, 700), bf16=st.booleans(),
-       window=st.sampled_from([0, 0, 3, 128]), sinks=st.booleans())
-def test_tree_attention_matches_torch_on_random_trees(seed, B, T, heads, D, extra, bf16, window, sinks):
-    check_tree_attention(seed, B, T, heads[0], heads[1], D, T + extra, torch.bfloat16 if bf16 else torch.float32,
-                         window, sinks)
+@given(seed=st.integers(0, 2**20), num=st.lists(st.integers(0, 70), min_size=1, max_size=3).filter(any),
+       heads=st.sampled_from([(4, 1), (8, 2), (4, 4)]), D=st.sampled_from([64, 128]), extra=st.integers(0, 700),
+       bf16=st.booleans(), window=st.sampled_from([0, 0, 3, 128]), sinks=st.booleans())
+def test_tree_attention_matches_torch_on_random_trees(seed, num, heads, D, extra, bf16, window, sinks):
+    check_tree_attention(seed, num, heads[0], heads[1], D, max(num) + extra,
+                         torch.bfloat16 if bf16 else torch.float32, window, sinks)
 
 
 def test_tree_attention_replayed_at_other_lengths_equals_eager():
     """A captured call reads start on the device: replays after the length changed give the eager
     results at those lengths."""
-    B, T, Hq, Hkv, D, S = 2, 8, 8, 2, 128, 2048
-    q, kc, vc, start, words, _ = (t.to(CUDA) for t in tree_inputs(5, B, T, Hq, Hkv, D, S, torch.bfloat16))
-    static = start.clone()
-    tree_attention(q, kc, vc, static, words, D**-0.5)  # (warm-up)
+    S = 2048
+    gpu = TreeInputs(5, [8, 8], 8, 2, 128, S, torch.bfloat16).cuda()
+    gpu.attend()  # (warm-up)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = tree_attention(q, kc, vc, static, words, D**-0.5)
-    for lengths in ([0, 1], [100, 1500], [S - T, 7]):
-        static.copy_(torch.tensor(lengths, device=CUDA))
+        out = gpu.attend()
+    for lengths in ([0, 1], [100, 1500], [S - 8, 7]):
+        gpu.start.copy_(torch.tensor(lengths, device=CUDA))
         graph.replay()
-        assert torch.equal(out, tree_attention(q, kc, vc, static, words, D**-0.5)), lengths
+        assert torch.equal(out, gpu.attend()), lengths
 
 
 def test_bad_arguments_name_the_argument():
-    q = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16, device=CUDA)
-    kc = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16, device=CUDA)
-    start = torch.zeros(1, dtype=torch.long, device=CUDA)
-    words = torch.zeros(1, 2, 1, dtype=torch.int32, device=CUDA)
+    gpu = TreeInputs(1, [2], 4, 2, 64, 16, torch.bfloat16).cuda()
     with pytest.raises(ValueError, match="^start:"):
-        tree_attention(q, kc, kc, start.int(), words, 0.1)
+        tree_attention(gpu.q, gpu.k, gpu.v, gpu.start.int(), gpu.offsets, gpu.groups, gpu.words, 0.1)
     with pytest.raises(ValueError, match="^k_cache:"):
-        tree_attention(q, kc.float(), kc, start, words, 0.1)
+        tree_attention(gpu.q, gpu.k.float(), gpu.v, gpu.start, gpu.offsets, gpu.groups, gpu.words, 0.1)
     with pytest.raises(ValueError, match="^mask:"):
-        tree_attention(q, kc, kc, start, words[:, :1], 0.1)
+        tree_attention(gpu.q, gpu.k, gpu.v, gpu.start, gpu.offsets, gpu.groups, gpu.words[:1], 0.1)
+    with pytest.raises(ValueError, match="^groups:"):
+        tree_attention(gpu.q, gpu.k, gpu.v, gpu.start, gpu.offsets, gpu.groups.long(), gpu.words, 0.1)

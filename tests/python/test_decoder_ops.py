@@ -1,6 +1,6 @@
 """The decoder ops' CPU side (moespec.ops.decoder; their CUDA kernels: tests/gpu/test_decoder_ops_cuda.py):
-the visible-slot rule against a plain loop over slots, tree_attention against a per-token softmax
-written out, attention_inputs writing exactly its tokens' cache slots, and the native entry points'
+the visible-slot rule against a plain loop over slots, tree_attention on packed requests of unequal
+sizes against a per-token softmax written out (with a sliding window and sinks), its block groups, attention_inputs writing exactly its tokens' cache slots, and the native entry points'
 argument checks (a message naming the argument; on CPU tensors, that the kernel is CUDA-only)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from moespec._loader import native
 from moespec._tensor import view
-from moespec.ops.decoder import attention_inputs, tree_attention, visible_slots
+from moespec.ops.decoder import attention_groups, attention_inputs, tree_attention, visible_slots
 from moespec.runtime.state import step_geometry
 
 
@@ -40,60 +40,52 @@ def test_visible_slots_follow_the_rule(seed, B, T, extra):
                 assert bool(got[b, t, s]) == (s < int(start[b]) or bool(bit)), (b, t, s)
 
 
-def test_tree_attention_is_each_tokens_softmax_over_what_it_sees():
+@pytest.mark.parametrize("window,sinks", [(0, False), (4, True)])
+def test_tree_attention_is_each_tokens_softmax_over_what_it_sees(window, sinks):
+    """Packed requests of unequal sizes (one with no token): each token's softmax over the committed
+    slots and its request's new slots its mask row names, written out; with a sliding window only
+    slots whose position (a committed slot's index, a new slot's token position) is less than it
+    behind; with sinks (GPT-OSS) the head's sink in the denominator."""
     rng, gen = random.Random(3), torch.Generator().manual_seed(3)
-    B, T, Hq, Hkv, D, S = 2, 6, 4, 2, 8, 20
-    q = torch.randn(B, T, Hq, D, generator=gen, dtype=torch.float64)
+    num, Hq, Hkv, D, S = [6, 0, 3], 4, 2, 8, 24
+    B, P = len(num), sum(num)
+    offsets = [0]
+    for n in num:
+        offsets.append(offsets[-1] + n)
+    q = torch.randn(P, Hq, D, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(B, Hkv, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
-    start = torch.tensor([0, 9])
-    words = torch.stack([random_tree_words(rng, T) for _ in range(B)])
-    got = tree_attention(q, k, v, start, words, 0.3)
-    seen = visible_slots(start, words, S)
+    start = torch.tensor([0, 4, 11])
+    trees = [[-1] + [rng.randrange(i) for i in range(1, n)] if n else [] for n in num]
+    geo = step_geometry([[0] * n for n in num], start.tolist(), trees)  # tree words, positions start + depth
+    words, positions = geo.mask, geo.positions
+    sink = torch.randn(Hq, generator=gen, dtype=torch.float64) if sinks else None
+    got = tree_attention(q, k, v, start, torch.tensor(offsets), attention_groups(offsets), words, 0.3,
+                         positions=positions, window=window, sinks=sink)
     for b in range(B):
-        for t in range(T):
-            slots = [s for s in range(S) if seen[b, t, s]]
-            assert int(start[b]) + t in slots  # a token sees itself
+        first = offsets[b]
+        for p in range(first, offsets[b + 1]):
+            def seen(s):
+                j = s - int(start[b])
+                key = s if j < 0 else int(positions[first + j]) if j < num[b] else None
+                bit = j < 0 or (j < num[b] and (int(words[p, j // 32]) >> (j % 32)) & 1)
+                return bool(bit) and (not window or int(positions[p]) - key < window)
+
+            slots = [s for s in range(S) if seen(s)]
+            assert int(start[b]) + p - first in slots  # a token sees itself
             for h in range(Hq):
                 g = h // (Hq // Hkv)
-                scores = [float(q[b, t, h] @ k[b, g, s]) * 0.3 for s in slots]
-                top = max(scores)
-                p = [math.exp(x - top) for x in scores]
-                want = sum(pi * v[b, g, s] for pi, s in zip(p, slots)) / sum(p)
-                assert torch.allclose(got[b, t, h], want, atol=1e-12), (b, t, h)
+                scores = [float(q[p, h] @ k[b, g, s]) * 0.3 for s in slots]
+                extra = [float(sink[h])] if sinks else []
+                top = max(scores + extra)
+                e = [math.exp(x - top) for x in scores]
+                den = sum(e) + sum(math.exp(x - top) for x in extra)
+                want = sum(pi * v[b, g, s] for pi, s in zip(e, slots)) / den
+                assert torch.allclose(got[p, h], want, atol=1e-12), (b, p, h)
 
 
-def test_tree_attention_window_and_sinks_are_the_reference_attentions():
-    """With a sliding window a token sees what the reference forward's window mask gives it (key
-    positions: a committed slot's index, a new slot's token position); sinks are the reference's
-    attention_with_sinks, here written out per token."""
-    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
-    B, T, Hq, Hkv, D, S, window = 2, 5, 4, 2, 8, 24, 4
-    q = torch.randn(B, T, Hq, D, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(B, Hkv, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
-    start = torch.tensor([3, 11])
-    parents = [[-1] + [rng.randrange(i) for i in range(1, T)] for _ in range(B)]
-    words = torch.stack([step_geometry([[0] * T], [0], [p]).mask for p in parents])
-    depth = [[0] * T for _ in range(B)]
-    for b in range(B):
-        for i in range(1, T):
-            depth[b][i] = depth[b][parents[b][i]] + 1
-    positions = start[:, None] + torch.tensor(depth)
-    sinks = torch.randn(Hq, generator=gen, dtype=torch.float64)
-    got = tree_attention(q, k, v, start, words, 0.3, positions=positions, window=window, sinks=sinks)
-    seen = visible_slots(start, words, S)
-    for b in range(B):
-        for t in range(T):
-            pos = int(positions[b, t])
-            slots = [s for s in range(S) if seen[b, t, s]
-                     and pos - (s if s < int(start[b]) else int(positions[b, s - int(start[b])])) < window]
-            assert int(start[b]) + t in slots
-            for h in range(Hq):
-                g = h // (Hq // Hkv)
-                scores = [float(q[b, t, h] @ k[b, g, s]) * 0.3 for s in slots]
-                top = max(scores + [float(sinks[h])])
-                p = [math.exp(x - top) for x in scores]
-                want = sum(pi * v[b, g, s] for pi, s in zip(p, slots)) / (sum(p) + math.exp(float(sinks[h]) - top))
-                assert torch.allclose(got[b, t, h], want, atol=1e-12), (b, t, h)
+def test_attention_groups_cover_each_request_in_runs_of_eight():
+    assert attention_groups([0, 3, 3, 20]).tolist() == [[0, 0, 3], [2, 3, 8], [2, 11, 8], [2, 19, 1]]
+    assert attention_groups([0, 0]).shape == (0, 3)
 
 
 def test_attention_inputs_write_only_their_slots():
@@ -115,29 +107,35 @@ def test_attention_inputs_write_only_their_slots():
 
 def test_native_entry_points_check_their_arguments():
     n = native()
-    q = torch.zeros(1, 2, 4, 16, dtype=torch.bfloat16)
+    q = torch.zeros(2, 4, 16, dtype=torch.bfloat16)
     kc = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
-    start, words, out = torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, 1, dtype=torch.int32), torch.empty_like(q)
+    start, words, out = torch.zeros(1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.int32), torch.empty_like(q)
+    offsets, groups = torch.tensor([0, 2]), attention_groups([0, 2])
 
-    def attend(q=q, k=kc, v=kc, start=start, words=words, out=out, scale=0.25, positions=None, sinks=None, window=0):
+    def attend(q=q, k=kc, v=kc, start=start, words=words, out=out, scale=0.25, positions=None, sinks=None, window=0,
+               offsets=offsets, groups=groups):
         n.tree_attention(view(q, "q"), view(k, "k_cache"), view(v, "v_cache"), view(start, "start"),
-                         view(words, "mask"), view(positions, "positions"), view(sinks, "sinks"), view(out, "out"),
-                         scale, window, None, 0)
+                         view(offsets, "offsets"), view(groups, "groups"), view(words, "mask"),
+                         view(positions, "positions"), view(sinks, "sinks"), view(out, "out"), scale, window, None, 0)
 
     with pytest.raises(ValueError, match="^start: .*int64"):
         attend(start=start.int())
     with pytest.raises(ValueError, match="^v_cache: .*size 8"):
         attend(v=kc[:, :, :4])
     with pytest.raises(ValueError, match="^q: head dim D must be a multiple of 8"):
-        attend(q=torch.zeros(1, 2, 4, 12, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="^q: tokens per request T must be in"):
-        attend(q=torch.zeros(1, 129, 4, 16, dtype=torch.bfloat16))
+        attend(q=torch.zeros(2, 4, 12, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="^mask: expected 1 to 4 words a row"):
+        attend(words=torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="^offsets: .*size 2"):
+        attend(offsets=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="^groups: .*size 3 in dim 1"):
+        attend(groups=torch.zeros(1, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="^scale: must be > 0"):
         attend(scale=0.0)
     with pytest.raises(ValueError, match="^positions: a tensor is required"):
         attend(window=4)
-    with pytest.raises(ValueError, match="^positions: .*size 2 in dim 1"):
-        attend(window=4, positions=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="^positions: .*size 2 in dim 0"):
+        attend(window=4, positions=torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="^sinks: .*size 4"):
         attend(sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="^q: tree_attention has a CUDA kernel only"):

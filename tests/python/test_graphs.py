@@ -50,8 +50,8 @@ def test_static_steps_equal_the_reference(folders, family, fused, monkeypatch):
     assert graphs.backend_name == "graphs"
     assert (graphs.backend.fused is not None) == fused  # (every fixture family fits the fused forward)
     caches = [m.new_cache(2, 40) for m in (ref, graphs)]
-    for m, c in zip((ref, graphs), caches):
-        m.prefill(c, PROMPTS)
+    first = [m.prefill(c, PROMPTS) for m, c in zip((ref, graphs), caches)]  # (graphs: eagerly, fused where it fits)
+    assert_close(first[1].logits, first[0].logits)
     tokens = [7, 11]
     budget = ExpertBudget(5)
     for step in range(4):  # decode (T = 1): one bucket, reused
@@ -73,9 +73,13 @@ def test_static_steps_equal_the_reference(folders, family, fused, monkeypatch):
             assert_close(caches[1].v[:, b, :, :n], caches[0].v[:, b, :, :n])
     steps = graphs.backend.steps
     assert sorted((k[2], k[3], k[4]) for k in steps) == [(2, 1, None), (2, 4, budget)]
-    # unequal trees fit no bucket: the reference runs them, no new step
-    v = [m.verify(c, [trees[0], trees[1][:2]], [[-1, 0, 0, 1], [-1, 0]]) for m, c in zip((ref, graphs), caches)]
+    # unequal trees fit no bucket: they run eagerly (the fused forward on their packed tokens), no new step
+    v = [m.verify(c, [trees[0], trees[1][:2]], [[-1, 0, 0, 1], [-1, 0]], budget=budget)
+         for m, c in zip((ref, graphs), caches)]
     assert_close(v[1].logits[0], v[0].logits[0])
+    assert_close(v[1].logits[1, :2], v[0].logits[1, :2])
+    assert_close(v[1].hidden[1][1, :2], v[0].hidden[1][1, :2])
+    assert torch.equal(v[1].expert_stats, v[0].expert_stats)
     assert len(graphs.backend.steps) == 2
 
 

@@ -11,15 +11,18 @@
 //   attention_inputs  from a layer's q/k/v projection [P, (Hq + 2 Hkv) D]: clip, q/k norm (per head
 //                     or over all heads), rope (rotate-half) of q and k, k and v written at the
 //                     tokens' cache slots, q returned [P, Hq, D]: one launch, one block a token.
-//   tree_attention    each token's attention over its request's committed slots [0, start[b]) and
-//                     the new slots start[b] + j whose bit j is set in its mask row (the draft
-//                     tree's packed ancestor words), reading only those slots (the cache's length is
-//                     read on the device: a graph replays it at any length); with a sliding window
-//                     only slots whose position is less than `window` behind the token's (a
-//                     committed slot's position is its index, new slot j's is positions[b, j]);
-//                     with sinks one more logit per head in every softmax's denominator (GPT-OSS).
-//                     The slots are split over blocks (flash-decoding) and the splits combined in
-//                     split order (no atomics: deterministic); one launch, two when split.
+//   tree_attention    the call's tokens packed request after request (requests of any sizes up
+//                     to 128 tokens): each token's attention over its request's committed slots
+//                     [0, start[b]) and the new slots start[b] + j whose bit j is set in its mask
+//                     row (the draft tree's packed ancestor words), reading only those slots (the
+//                     cache's length is read on the device: a graph replays it at any length); with
+//                     a sliding window only slots whose position is less than `window` behind the
+//                     token's (a committed slot's position is its index, new slot j's is the
+//                     position of the request's token j); with sinks one more logit per head in
+//                     every softmax's denominator (GPT-OSS). A block takes a group of up to 8
+//                     tokens of one request (`groups`, built by the host); the slots are split over
+//                     blocks (flash-decoding) and the splits combined in split order (no atomics:
+//                     deterministic); one launch, two when split.
 //
 // Rounding: a bf16 model rounds to bf16 where torch rounds (each elementwise op's result, the
 // norm's normalised value before the scale); sums (norm, q.k, p.v) run in fp32 in the hardware's
@@ -31,8 +34,9 @@
 // start) are bounded on the device: a slot outside the cache is not written, a start past it is
 // cut to it.
 //
-// Dimensions: P tokens (B requests x T tokens each for tree_attention), H hidden, Hq/Hkv query and
-// key-value heads, D head dim, S_max cache slots, W mask words per row.
+// Dimensions: P tokens (packed request after request), B requests, G groups of at most 8 tokens of
+// one request, H hidden, Hq/Hkv query and key-value heads, D head dim, S_max cache slots, W mask
+// words per row.
 #pragma once
 
 #include <cstddef>
@@ -46,7 +50,8 @@ namespace moespec {
 constexpr int64_t kMaxNormWidth = 12032;        // H of rms_norm (its fp32 row in 47 KB of shared memory)
 constexpr int64_t kMaxAttentionInputs = 12032;  // (Hq + Hkv) D of attention_inputs (likewise)
 constexpr int64_t kMaxHeadDim = 256;           // D of tree_attention (128 for float32)
-constexpr int64_t kMaxTreeTokens = 128;        // T of tree_attention (W <= 4 mask words)
+constexpr int64_t kMaxTreeTokens = 128;        // new tokens of a request in tree_attention (W <= 4 mask words)
+constexpr int64_t kTreeGroupTokens = 8;        // tokens a block of tree_attention takes (a `groups` count)
 
 struct RmsNormArgs {
   TensorView x;         // [P, H] float32 | bfloat16
@@ -79,14 +84,16 @@ struct AttentionInputsArgs {
 };
 
 struct TreeAttentionArgs {
-  TensorView q;        // [B, T, Hq, D]
+  TensorView q;        // [P, Hq, D]: the call's tokens packed request after request
   TensorView k_cache;  // [B, Hkv, S_max, D] contiguous
   TensorView v_cache;  // [B, Hkv, S_max, D]
-  TensorView start;    // [B] int64: committed slots of request b; its new tokens are at start[b] + j
-  TensorView mask;     // [B, T, W] int32: bit j % 32 of word j / 32 = the token sees new slot j
-  TensorView positions;  // [B, T] int64 (needed with a window): the new tokens' rope positions
+  TensorView start;    // [B] int64: committed slots of request b; its new token j is at slot start[b] + j
+  TensorView offsets;  // [B + 1] int64: request b's tokens are the rows [offsets[b], offsets[b + 1])
+  TensorView groups;   // [G, 3] int32: a block's tokens: (request, first row, count <= 8), rows of one request
+  TensorView mask;     // [P, W] int32: bit j % 32 of word j / 32 = the token sees its request's new slot j
+  TensorView positions;  // [P] int64 (needed with a window): the tokens' rope positions
   TensorView sinks;    // [Hq] float32 or q's dtype (optional): each head's sink logit
-  TensorView out;      // out [B, T, Hq, D]
+  TensorView out;      // out [P, Hq, D]
   float scale = 1.0f;
   int64_t window = 0;  // > 0: a sliding window of that many positions
 };
@@ -98,10 +105,10 @@ void validate_tree_attention(const TreeAttentionArgs& a);
 
 namespace cuda {
 
-// Splits of the slots tree_attention launches for these sizes (1: no combine pass).
-int64_t tree_attention_splits(int64_t B, int64_t T, int64_t num_heads, int64_t max_slots);
-// Bytes of scratch tree_attention needs (0 when it does not split).
-std::size_t tree_attention_workspace_size(int64_t B, int64_t T, int64_t num_heads, int64_t head_dim,
+// Splits of the slots tree_attention launches for G groups (1: no combine pass).
+int64_t tree_attention_splits(int64_t groups, int64_t num_heads, int64_t max_slots);
+// Bytes of scratch tree_attention needs for P tokens in G groups (0 when it does not split).
+std::size_t tree_attention_workspace_size(int64_t P, int64_t groups, int64_t num_heads, int64_t head_dim,
                                           int64_t max_slots);
 
 void rms_norm(const RmsNormArgs& a, void* stream);

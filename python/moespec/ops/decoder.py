@@ -17,7 +17,7 @@ key-value heads, D head dim, S_max cache slots, W mask words per row ((T + 31) /
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -110,40 +110,65 @@ def visible_slots(start: torch.Tensor, words: torch.Tensor, S: int) -> torch.Ten
     return (rel < 0)[:, None, :] | (((rel >= 0) & (rel < T))[:, None, :] & bit)
 
 
+def attention_groups(offsets: Sequence[int]) -> torch.Tensor:
+    """int32 [G, 3]: tree_attention's blocks for requests whose tokens are the rows
+    [offsets[b], offsets[b + 1]): each request's rows in runs of at most 8, as (request, first row,
+    count)."""
+    n = native().kTreeGroupTokens
+    rows = [(b, p, min(n, end - p)) for b, (begin, end) in enumerate(zip(offsets[:-1], offsets[1:]))
+            for p in range(begin, end, n)]
+    return torch.tensor(rows, dtype=torch.int32).view(len(rows), 3)
+
+
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                   words: torch.Tensor, scale: float, *, positions: Optional[torch.Tensor] = None, window: int = 0,
+                   offsets: torch.Tensor, groups: torch.Tensor, words: torch.Tensor, scale: float, *,
+                   positions: Optional[torch.Tensor] = None, window: int = 0,
                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Attention of q [B, T, Hq, D] over k_cache, v_cache [B, Hkv, S_max, D]: token (b, t) sees the
-    slots :func:`visible_slots` gives it (``start`` long [B], ``words`` int32 [B, T, W]); with
-    ``window`` > 0 only those whose position is less than ``window`` behind its own (``positions``
-    long [B, T]: the new tokens' positions; a committed slot's position is its index); ``sinks``
-    [Hq]: each head's sink logit in every softmax's denominator (GPT-OSS). Softmax in fp32 (with
-    sinks: as :func:`moespec.runtime.attention.attention_with_sinks` computes it). Returns
-    [B, T, Hq, D]. On CUDA only slots below start[b] + T are read."""
-    B, T, Hq, D = q.shape
+    """Attention of the packed tokens q [P, Hq, D] (request b's are the rows [offsets[b],
+    offsets[b + 1]), ``offsets`` long [B + 1]; ``groups``: :func:`attention_groups` of them) over
+    k_cache, v_cache [B, Hkv, S_max, D]: token p of request b sees the committed slots [0, start[b])
+    and its request's new slot start[b] + j where bit j % 32 of word j // 32 of its row of ``words``
+    [P, W] (int32) is set (:func:`visible_slots`); with ``window`` > 0 only those whose position is
+    less than ``window`` behind its own (``positions`` long [P]; a committed slot's position is its
+    index); ``sinks`` [Hq]: each head's sink logit in every softmax's denominator (GPT-OSS). Softmax
+    in fp32 (with sinks: as :func:`moespec.runtime.attention.attention_with_sinks` computes it).
+    Returns [P, Hq, D]. On CUDA only slots below start[b] + (its token count) are read."""
+    P, Hq, D = q.shape
     if window and positions is None:
         raise ValueError("positions: needed with a sliding window")
     if _kernel(q):
         out = torch.empty_like(q)
-        nbytes = native().tree_attention_workspace_size(B, T, Hq, D, k_cache.shape[2])
+        nbytes = native().tree_attention_workspace_size(P, groups.shape[0], Hq, D, k_cache.shape[2])
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
         native().tree_attention(view(q, "q"), view(k_cache, "k_cache"), view(v_cache, "v_cache"), view(start, "start"),
-                                view(words, "mask"), view(positions if window else None, "positions"),
-                                view(sinks, "sinks"), view(out, "out"), float(scale), int(window),
-                                view(workspace, "workspace"), _stream(q))
+                                view(offsets, "offsets"), view(groups, "groups"), view(words, "mask"),
+                                view(positions if window else None, "positions"), view(sinks, "sinks"),
+                                view(out, "out"), float(scale), int(window), view(workspace, "workspace"), _stream(q))
         return out
-    S = k_cache.shape[2]
-    mask = visible_slots(start, words, S)  # [B, T, S]
+    S, out = k_cache.shape[2], torch.zeros_like(q)
+    bounds = offsets.tolist()
+    for b, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > begin:
+            out[begin:end] = _attend_request(q[begin:end], k_cache[b:b + 1], v_cache[b:b + 1], start[b:b + 1],
+                                             words[begin:end], scale, None if positions is None else
+                                             positions[begin:end], window, sinks, S)
+    return out
+
+
+def _attend_request(q, k, v, start, words, scale, positions, window, sinks, S):
+    """One request's tokens q [T, Hq, D] over its cache k, v [1, Hkv, S, D] (the CPU version)."""
+    T = q.shape[0]
+    mask = visible_slots(start, words[None], S)  # [1, T, S]
     if window:
-        key_pos = torch.arange(S, device=q.device).expand(B, S).clone()  # [B, S]
-        new = start[:, None] + torch.arange(T, device=q.device)[None, :]  # [B, T]: the new tokens' slots
+        key_pos = torch.arange(S, device=q.device)  # [S]: a committed slot's position is its index
+        new = int(start) + torch.arange(T, device=q.device)
         inside = new < S
-        key_pos[torch.arange(B, device=q.device)[:, None].expand(B, T)[inside], new[inside]] = positions[inside]
-        mask = mask & (positions[:, :, None] - key_pos[:, None, :] < window)
-    qt = q.transpose(1, 2)  # [B, Hq, T, D]
+        key_pos[new[inside]] = positions[inside]  # the new tokens' own
+        mask = mask & (positions[None, :, None] - key_pos[None, None, :] < window)
+    qt = q.transpose(0, 1)[None]  # [1, Hq, T, D]
     if sinks is not None:
-        o = attention_with_sinks(qt, k_cache, v_cache, mask[:, None], sinks, scale)
+        o = attention_with_sinks(qt, k, v, mask[:, None], sinks, scale)
     else:
-        o = F.scaled_dot_product_attention(qt, k_cache, v_cache, attn_mask=mask[:, None], scale=scale,
-                                           enable_gqa=Hq != k_cache.shape[1])  # [B, Hq, T, D]
-    return o.transpose(1, 2)
+        o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask[:, None], scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])  # [1, Hq, T, D]
+    return o[0].transpose(0, 1)

@@ -6,30 +6,37 @@ q/k/v projection, ``attention_inputs`` (clip, q/k norm, rope, the cache writes: 
 ``tree_attention`` (over each request's used slots only: the cache length is read on the device,
 so a captured graph replays at any length), the o projection, ``rms_norm`` (residual add + post
 norm), then the MoE (router projection, routing + budget, experts) or the dense MLP. On CUDA a layer
-is ~12 launches instead of the ~37 small torch kernels of the reference forward (its norms as
+is ~15 launches instead of the ~37 small torch kernels of the reference forward (its norms as
 mean-reductions, rope as five elementwise ops per tensor, the cache's index_put, the mask, SDPA
 over all S_max slots), and the graph has no mask of S_max columns to build. On the CPU the ops run
 their plain-torch versions (the reference's own ops), which is what tests/python/test_graphs.py
 holds against the reference backend.
 
-Used by :class:`moespec.runtime.graphs.StaticStep` where :func:`supports` says the model fits
-(GQA, with or without sliding windows and sinks; float32 or bfloat16; head and hidden sizes within
-the kernels' bounds; not MLA); ``MOESPEC_FUSED_STEP=0`` keeps the reference forward.
+Used where :func:`supports` says the model fits (GQA, with or without sliding windows and sinks;
+float32 or bfloat16; head and hidden sizes within the kernels' bounds; not MLA) by the graphs
+backend (:mod:`moespec.runtime.graphs`): its captured steps (B requests of T tokens), and, eagerly
+(:func:`eager_forward`), the calls no bucket takes (trees of unequal sizes, prompts of up to 128
+tokens): the tokens stay packed, with no padding. ``MOESPEC_FUSED_STEP=0`` keeps the reference
+forward.
 
-Dimensions: B requests, T tokens each, P = B T, H hidden, Hq/Hkv heads, D head dim, W mask words.
+Dimensions: B requests, P tokens packed request after request, H hidden, Hq/Hkv heads, D head dim,
+W mask words.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
 from moespec._loader import native
+from moespec._tensor import to_device
 from moespec.models.moe import moe_forward
 from moespec.ops import ExpertBudget
-from moespec.ops.decoder import attention_inputs, enabled, rms_norm, tree_attention
+from moespec.ops.decoder import attention_groups, attention_inputs, enabled, rms_norm, tree_attention
+from moespec.runtime.state import StepGeometry, step_geometry
 
 if TYPE_CHECKING:
     from moespec.models.cache import KVCache
@@ -67,33 +74,29 @@ class FusedForward:
             self.sin = (emb.sin() * scaling).to(self.model.dtype)
         return self.cos, self.sin
 
-    def __call__(self, cache: "KVCache", tokens: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
-                 words: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                 budget: ExpertBudget | None) -> "ForwardOutput":
-        """The forward of B requests' T new tokens each: ``tokens``, ``positions`` long [B, T],
-        ``start`` long [B] (each request's first new slot), ``words`` int32 [B, T, W] (its mask rows
-        over the new tokens), ``rows``, ``slots`` long [P] (each token's request and slot)."""
+    def __call__(self, cache: "KVCache", batch: "PackedStep", budget: Optional[ExpertBudget]) -> "ForwardOutput":
+        """The forward of a call's packed tokens (``batch``); logits [P, V] and taps [P, H] per token,
+        ``num_tokens`` [P] (the callers shape them)."""
         from moespec.runtime.backend import ForwardOutput, dense_mlp
 
         model = self.model
         c, w = model.config, model.weights
-        B, T = tokens.shape
+        P = batch.tokens.shape[0]
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         table_cos, table_sin = self.rope(cache.max_len)
-        flat = positions.reshape(-1)
-        cos, sin = table_cos[flat], table_sin[flat]  # [P, D]
+        cos, sin = table_cos[batch.positions], table_sin[batch.positions]  # [P, D]
         eps = c.rms_norm_eps
-        x, h = rms_norm(F.embedding(tokens.reshape(-1), w.embed), w.layers[0].input_norm, eps,
+        x, h = rms_norm(F.embedding(batch.tokens, w.embed), w.layers[0].input_norm, eps,
                         scale_fp32=c.norm_scale_fp32)  # [P, H] each
         tapped, stats = {}, []
         for i, layer in enumerate(w.layers):
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             k_cache, v_cache = cache.k[i], cache.v[i]
-            q = attention_inputs(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, rows, slots,
+            q = attention_inputs(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, batch.rows, batch.slots,
                                  num_heads=Hq, num_kv_heads=Hkv, qk_norm=c.qk_norm, eps=eps, clip=c.clip_qkv)
-            o = tree_attention(q.view(B, T, Hq, D), k_cache, v_cache, start, words, D**-0.5, positions=positions,
-                               window=c.window(i), sinks=layer.sinks)
-            x, h = rms_norm(F.linear(o.reshape(B * T, Hq * D), layer.o, layer.o_bias), layer.post_norm, eps,
+            o = tree_attention(q, k_cache, v_cache, batch.start, batch.offsets, batch.groups, batch.words, D**-0.5,
+                               positions=batch.positions, window=c.window(i), sinks=layer.sinks)
+            x, h = rms_norm(F.linear(o.view(P, Hq * D), layer.o, layer.o_bias), layer.post_norm, eps,
                             residual=x, scale_fp32=c.norm_scale_fp32)
             if c.is_moe_layer(i):
                 layer_budget = budget.for_layer(len(stats)) if budget is not None else None
@@ -104,8 +107,55 @@ class FusedForward:
             after = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
             x, h = rms_norm(mlp, after, eps, residual=x, scale_fp32=c.norm_scale_fp32)
             if i in model.taps:
-                tapped[i] = x.view(B, T, -1)
-        logits = F.linear(h, w.lm_head).view(B, T, -1)
+                tapped[i] = x
         expert_stats = torch.stack(stats) if stats else torch.zeros(0, 4, dtype=torch.int32, device=x.device)
-        return ForwardOutput(logits=logits, hidden=tuple(tapped[t] for t in model.taps), expert_stats=expert_stats,
-                             num_tokens=[T] * B)
+        return ForwardOutput(logits=F.linear(h, w.lm_head), hidden=tuple(tapped[t] for t in model.taps),
+                             expert_stats=expert_stats, num_tokens=[P])
+
+
+@dataclass
+class PackedStep:
+    """The inputs of one fused forward: P tokens packed request after request (B requests)."""
+
+    tokens: torch.Tensor  # long [P]
+    positions: torch.Tensor  # long [P] rope positions
+    start: torch.Tensor  # long [B]: each request's first new slot (its committed tokens)
+    offsets: torch.Tensor  # long [B + 1]: request b's tokens are the rows [offsets[b], offsets[b + 1])
+    groups: torch.Tensor  # int32 [G, 3]: tree_attention's blocks (moespec.ops.decoder.attention_groups)
+    words: torch.Tensor  # int32 [P, W]: each token's mask row over its request's new tokens
+    rows: torch.Tensor  # long [P]: each token's request
+    slots: torch.Tensor  # long [P]: its cache slot
+
+
+def fits_eager(model: "TargetModel", seqs: list[list[int]]) -> bool:
+    """Whether :func:`eager_forward` takes a call: no routing observer, and at most
+    ``kMaxTreeTokens`` new tokens a request (a mask row's bits)."""
+    return model.observer is None and 0 < max(len(s) for s in seqs) <= native().kMaxTreeTokens
+
+
+def eager_forward(fused: FusedForward, cache: "KVCache", seqs: list[list[int]], parents: Optional[list[list[int]]],
+                  budget: Optional[ExpertBudget], last_only: bool, geo: Optional[StepGeometry] = None) -> "ForwardOutput":
+    """A call that fits no graph bucket (unequal trees, short prompts), eagerly through the fused
+    forward on its packed tokens (no padding), shaped as the backends return it."""
+    from moespec.runtime.backend import ForwardOutput, _pad
+
+    model = fused.model
+    geo = geo or step_geometry(seqs, cache.lengths, parents)
+    num = [len(s) for s in seqs]
+    B, d = len(seqs), model.device
+    rows = torch.repeat_interleave(torch.arange(B), torch.tensor(num))  # [P]
+    cols = torch.arange(rows.shape[0]) - torch.tensor(geo.offsets[:-1])[rows]
+    start = torch.tensor(cache.lengths)
+    batch = PackedStep(tokens=to_device(geo.tokens.long(), d), positions=to_device(geo.positions.long(), d),
+                       start=to_device(start, d), offsets=to_device(torch.tensor(geo.offsets), d),
+                       groups=to_device(attention_groups(geo.offsets), d), words=to_device(geo.mask, d),
+                       rows=to_device(rows, d), slots=to_device(start[rows] + cols, d))
+    out = fused(cache, batch, budget)
+    if last_only:  # each request's last token (zeros for a request without one)
+        last = to_device([geo.offsets[b + 1] - 1 for b in range(B) if num[b]], d)
+        logits = out.logits.new_zeros(B, out.logits.shape[-1])
+        logits[to_device([b for b in range(B) if num[b]], d)] = out.logits[last]
+    else:
+        logits = _pad(out.logits, geo.offsets, num)
+    return ForwardOutput(logits=logits, hidden=tuple(_pad(t, geo.offsets, num) for t in out.hidden),
+                         expert_stats=out.expert_stats, num_tokens=num)

@@ -12,7 +12,9 @@ inside the graph: one copy and one launch a step, no per-op dispatch, no host sy
 inside the step (routing, budget and experts run in moespec's CUDA ops, which allocate from torch's
 allocator and run on the current stream). Prefill, and calls that fit no
 bucket (unequal tree sizes, trees over ``max_tokens`` nodes, an observer recording routing), run
-the reference forward as they are.
+eagerly: through the fused forward on their packed tokens where it takes them
+(:func:`moespec.runtime.fused.eager_forward`: up to 128 tokens a request, no observer), else the
+reference forward.
 
 The forward is :class:`moespec.runtime.fused.FusedForward` where the model fits it (the reference
 forward's semantics with the attention half of each layer in moespec's decoder ops: a few launches
@@ -33,8 +35,8 @@ import torch
 from moespec._tensor import to_device
 from moespec.models.cache import KVCache
 from moespec.ops import ExpertBudget
-from moespec.ops.decoder import visible_slots
-from moespec.runtime.fused import FusedForward
+from moespec.ops.decoder import attention_groups, visible_slots
+from moespec.runtime.fused import FusedForward, PackedStep, eager_forward, fits_eager
 from moespec.runtime.fused import supports as fused_supports
 from moespec.runtime.state import StepGeometry, step_geometry
 
@@ -67,6 +69,9 @@ class StaticStep:
         self.words = 0  # packed mask words per token
         self.mask_words: Optional[torch.Tensor] = None  # int32 [B, T, W]: the fused forward's mask rows
         self.cols_t = torch.arange(T, **long)  # new-token index
+        # the fused forward's fixed geometry: B requests of T tokens each
+        self.offsets = torch.arange(0, B * T + 1, T, **long)
+        self.groups = attention_groups(list(range(0, B * T + 1, T))).to(device)
         self.graph = None
         self.out: Optional["ForwardOutput"] = None
 
@@ -116,9 +121,16 @@ class StaticStep:
     def _forward(self) -> "ForwardOutput":
         start = self._unpack()
         b = self.batch
-        if self.fused is not None:
-            return self.fused(self.cache, b.tokens, b.positions, start, self.mask_words, b.rows, b.slots, self.budget)
-        return self.reference._forward(self.cache, b, self.budget, last_only=False)
+        if self.fused is None:
+            return self.reference._forward(self.cache, b, self.budget, last_only=False)
+        B, T = b.tokens.shape
+        packed = PackedStep(tokens=b.tokens.view(-1), positions=b.positions.view(-1), start=start,
+                            offsets=self.offsets, groups=self.groups, words=self.mask_words.view(B * T, -1),
+                            rows=b.rows, slots=b.slots)
+        out = self.fused(self.cache, packed, self.budget)
+        out.logits, out.num_tokens = out.logits.view(B, T, -1), [T] * B
+        out.hidden = tuple(t.view(B, T, -1) for t in out.hidden)
+        return out
 
     def _capture(self) -> None:
         """Captures the forward (its K/V writes go to the slots already written by the eager run, with
@@ -152,6 +164,14 @@ class GraphBackend:
         self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
         self.fused = FusedForward(model) if fused_supports(model) else None  # (moespec.runtime.fused)
 
+    def eager(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
+              budget: Optional[ExpertBudget], last_only: bool, geo=None) -> "ForwardOutput":
+        """A call no bucket takes: the fused forward on its packed tokens where it fits (unequal
+        trees, prompts of up to kMaxTreeTokens tokens), else the reference forward."""
+        if self.fused is not None and fits_eager(self.model, seqs):
+            return eager_forward(self.fused, cache, seqs, parents, budget, last_only, geo)
+        return self.reference.forward(cache, seqs, parents, budget, last_only)
+
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
                 budget: Optional[ExpertBudget], last_only: bool, geo=None) -> "ForwardOutput":
         from moespec.runtime.backend import ForwardOutput
@@ -160,13 +180,13 @@ class GraphBackend:
         T = num[0]
         if (self.model.observer is not None or any(n != T for n in num) or not 1 <= T <= self.max_tokens
                 or (parents is None and T > 1)):  # (prefill runs eagerly: decode and tree verify are the steps)
-            return self.reference.forward(cache, seqs, parents, budget, last_only)
+            return self.eager(cache, seqs, parents, budget, last_only, geo)
         # (sequences and trees of one T share a step: the mask is an input)
         key = (cache.k.data_ptr(), tuple(cache.k.shape), len(seqs), T, budget, self.model.taps)
         step = self.steps.get(key)
         if step is None:
             if len(self.steps) >= MAX_BUCKETS:
-                return self.reference.forward(cache, seqs, parents, budget, last_only)
+                return self.eager(cache, seqs, parents, budget, last_only, geo)
             step = StaticStep(self.reference, cache, len(seqs), T, budget, self.pool, self.fused)
             self.steps[key] = step
         step.load(geo if geo is not None else step_geometry(seqs, cache.lengths, parents), list(cache.lengths))
