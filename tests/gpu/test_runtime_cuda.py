@@ -127,6 +127,14 @@ def test_graph_replay_equals_eager(folder, fused, monkeypatch):
         for m, c in zip((eager, graphs), caches):
             m.commit(c, [[0, 1], [0]])
     assert all(s.graph is not None for s in graphs.backend.steps.values()) and len(graphs.backend.steps) == 2
+    # unequal trees fit no bucket: eagerly, through the fused forward on packed tokens where it runs
+    trees, parents = [[tokens[0], 3, 4, 5], [tokens[1], 6]], [[-1, 0, 0, 1], [-1, 0]]
+    v = [m.verify(c, trees, parents, budget=budget) for m, c in zip((eager, graphs), caches)]
+    _close(v[1].logits[0], v[0].logits[0], 1e-4, "unequal trees, request 0")
+    _close(v[1].logits[1, :2], v[0].logits[1, :2], 1e-4, "unequal trees, request 1")
+    assert torch.equal(v[1].expert_stats, v[0].expert_stats) and len(graphs.backend.steps) == 2
+    for m, c in zip((eager, graphs), caches):
+        m.commit(c, [[0], [0]])
     head = new_head(graphs.config, graphs.weights.embed, None, seed=0).to("cuda")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(eager).generate(PROMPTS, params)]
