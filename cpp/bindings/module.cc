@@ -164,7 +164,7 @@ void attention_inputs_binding(const py::object& qkv, const py::object& q_norm, c
 
 void tree_attention_binding(const py::object& q, const py::object& k_cache, const py::object& v_cache,
                             const py::object& start, const py::object& offsets, const py::object& groups,
-                            const py::object& mask, const py::object& positions,
+                            const py::object& spans, const py::object& mask, const py::object& positions,
                             const py::object& sinks, const py::object& out, float scale, int64_t window,
                             const py::object& workspace, uintptr_t stream) {
   TreeAttentionArgs a;
@@ -174,6 +174,7 @@ void tree_attention_binding(const py::object& q, const py::object& k_cache, cons
   a.start = to_view(start, "start");
   a.offsets = to_view(offsets, "offsets");
   a.groups = to_view(groups, "groups");
+  a.spans = to_view(spans, "spans");
   a.mask = to_view(mask, "mask");
   a.positions = to_view(positions, "positions");
   a.sinks = to_view(sinks, "sinks");
@@ -272,7 +273,7 @@ PYBIND11_MODULE(_native, m) {
         "Attention of packed tokens q [P, Hq, D] over each request's committed slots and its new slots by mask "
         "words (a sliding window over positions, sinks); CUDA.",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("offsets"), py::arg("groups"),
-        py::arg("mask"), py::arg("positions"),
+        py::arg("spans"), py::arg("mask"), py::arg("positions"),
         py::arg("sinks"), py::arg("out"), py::arg("scale"), py::arg("window"), py::arg("workspace"), py::arg("stream"));
   m.def("tree_attention_workspace_size", &cuda::tree_attention_workspace_size,
         "Bytes of CUDA scratch tree_attention needs (0: none).", py::arg("P"), py::arg("groups"), py::arg("num_heads"),

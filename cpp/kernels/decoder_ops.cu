@@ -204,7 +204,7 @@ template <typename T, int kChunk>  // kChunk: slots staged at a time (32 or 64: 
 __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int64_t* __restrict__ start, const int64_t* __restrict__ offsets, const int32_t* __restrict__ groups,
-    const int32_t* __restrict__ mask, const int64_t* __restrict__ positions, const void* __restrict__ sinks,
+    const int64_t* __restrict__ spans, const int32_t* __restrict__ mask, const int64_t* __restrict__ positions, const void* __restrict__ sinks,
     T* __restrict__ out, float* __restrict__ partial, TreeShape s) {
   constexpr int kPerWord = 4 / sizeof(T);  // elements in a 32-bit word
   extern __shared__ uint32_t smem[];
@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
   const int32_t* group = groups + 3 * static_cast<int64_t>(blockIdx.z);  // (request, first row, count)
   const int b = group[0];
   if (b < 0 || b >= s.B) return;  // (block-uniform, before any barrier; the host built the groups)
-  const int64_t first = offsets[b], rows = offsets[b + 1] - first;  // the request's tokens
+  const int64_t first = offsets[b];
+  const int64_t rows = spans != nullptr ? spans[b] : offsets[b + 1] - first;  // the request's new slots
   const int64_t p = static_cast<int64_t>(group[1]) + warp;  // this warp's token
   const bool active = warp < group[2] && p < s.P;
   const int g = h / (s.Hq / s.Hkv);
@@ -407,7 +408,7 @@ void launch_tree_attention(const TreeAttentionArgs& a, float* partial, cudaStrea
   auto kernel = chunk == 64 ? tree_attention_kernel<T, 64> : tree_attention_kernel<T, 32>;
   kernel<<<grid, kThreads, shared, stream>>>(data<T>(a.q), data<T>(a.k_cache), data<T>(a.v_cache),
                                              data<int64_t>(a.start), data<int64_t>(a.offsets), data<int32_t>(a.groups),
-                                             data<int32_t>(a.mask), data<int64_t>(a.positions), sinks, a.out.ptr<T>(),
+                                             data<int64_t>(a.spans), data<int32_t>(a.mask), data<int64_t>(a.positions), sinks, a.out.ptr<T>(),
                                              partial, s);
   if (s.splits > 1) {
     check_launch("tree_attention");

@@ -113,6 +113,10 @@ void validate_tree_attention(const TreeAttentionArgs& a) {
   MOESPEC_CHECK_ARG(a.scale > 0.0f, "scale", "must be > 0, got ", a.scale);
   MOESPEC_CHECK_ARG(a.window >= 0, "window", "must be >= 0 (0: none), got ", a.window);
   if (a.window > 0 || a.positions.defined()) check_index(a.positions, "positions", a.q, P);
+  if (a.spans.defined()) {
+    check_index(a.spans, "spans", a.q, B);
+    MOESPEC_CHECK_ARG(a.window == 0, "spans", "not with a sliding window (a new slot's position is its token's)");
+  }
   if (a.sinks.defined()) {
     check_view(a.sinks, "sinks", {DType::kFloat32, a.q.dtype}, {Hq}, a.q.device, a.q.device_index);
     check_contiguous(a.sinks, "sinks");

@@ -159,6 +159,21 @@ def test_tree_attention_matches_torch_on_random_trees(seed, num, heads, D, extra
                          torch.bfloat16 if bf16 else torch.float32, window, sinks)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_attention_with_spans_matches_torch(dtype):
+    """spans (the draft head's levels): a request's tokens see new slots past their own count, as the
+    bits of their mask rows name them."""
+    cpu = TreeInputs(11, [4, 4], 8, 2, 128, 300, dtype)
+    rng = random.Random(11)
+    for p in range(cpu.words.shape[0]):  # slots 4..19 of each request: earlier levels' scratch slots
+        cpu.words[p, 0] |= sum(1 << j for j in range(4, 20) if rng.random() < 0.5)
+    spans = torch.tensor([20, 12])
+    want = cpu.attend(torch.float32, spans=spans)
+    gpu = cpu.cuda()
+    got = gpu.attend(spans=spans.to(CUDA))
+    assert_close(got, want, dtype, "tree_attention with spans")
+
+
 def test_tree_attention_replayed_at_other_lengths_equals_eager():
     """A captured call reads start on the device: replays after the length changed give the eager
     results at those lengths."""

@@ -40,12 +40,13 @@ def test_visible_slots_follow_the_rule(seed, B, T, extra):
                 assert bool(got[b, t, s]) == (s < int(start[b]) or bool(bit)), (b, t, s)
 
 
-@pytest.mark.parametrize("window,sinks", [(0, False), (4, True)])
-def test_tree_attention_is_each_tokens_softmax_over_what_it_sees(window, sinks):
+@pytest.mark.parametrize("window,sinks,extra", [(0, False, 0), (4, True, 0), (0, False, 5)])
+def test_tree_attention_is_each_tokens_softmax_over_what_it_sees(window, sinks, extra):
     """Packed requests of unequal sizes (one with no token): each token's softmax over the committed
     slots and its request's new slots its mask row names, written out; with a sliding window only
     slots whose position (a committed slot's index, a new slot's token position) is less than it
-    behind; with sinks (GPT-OSS) the head's sink in the denominator."""
+    behind; with sinks (GPT-OSS) the head's sink in the denominator; with spans (``extra`` new slots
+    past the tokens', as the draft head's levels see earlier levels' scratch slots) those too."""
     rng, gen = random.Random(3), torch.Generator().manual_seed(3)
     num, Hq, Hkv, D, S = [6, 0, 3], 4, 2, 8, 24
     B, P = len(num), sum(num)
@@ -57,17 +58,20 @@ def test_tree_attention_is_each_tokens_softmax_over_what_it_sees(window, sinks):
     start = torch.tensor([0, 4, 11])
     trees = [[-1] + [rng.randrange(i) for i in range(1, n)] if n else [] for n in num]
     geo = step_geometry([[0] * n for n in num], start.tolist(), trees)  # tree words, positions start + depth
-    words, positions = geo.mask, geo.positions
+    words, positions = geo.mask.clone(), geo.positions
+    span = [n + extra for n in num]
+    for p in range(P):  # bits past the request's own tokens: seen only with spans
+        words[p, 0] |= sum(1 << j for j in range(6, 6 + 5) if rng.random() < 0.5)
     sink = torch.randn(Hq, generator=gen, dtype=torch.float64) if sinks else None
     got = tree_attention(q, k, v, start, torch.tensor(offsets), attention_groups(offsets), words, 0.3,
-                         positions=positions, window=window, sinks=sink)
+                         spans=torch.tensor(span) if extra else None, positions=positions, window=window, sinks=sink)
     for b in range(B):
         first = offsets[b]
         for p in range(first, offsets[b + 1]):
             def seen(s):
                 j = s - int(start[b])
                 key = s if j < 0 else int(positions[first + j]) if j < num[b] else None
-                bit = j < 0 or (j < num[b] and (int(words[p, j // 32]) >> (j % 32)) & 1)
+                bit = j < 0 or (j < span[b] and (int(words[p, j // 32]) >> (j % 32)) & 1)
                 return bool(bit) and (not window or int(positions[p]) - key < window)
 
             slots = [s for s in range(S) if seen(s)]
@@ -113,9 +117,9 @@ def test_native_entry_points_check_their_arguments():
     offsets, groups = torch.tensor([0, 2]), attention_groups([0, 2])
 
     def attend(q=q, k=kc, v=kc, start=start, words=words, out=out, scale=0.25, positions=None, sinks=None, window=0,
-               offsets=offsets, groups=groups):
+               offsets=offsets, groups=groups, spans=None):
         n.tree_attention(view(q, "q"), view(k, "k_cache"), view(v, "v_cache"), view(start, "start"),
-                         view(offsets, "offsets"), view(groups, "groups"), view(words, "mask"),
+                         view(offsets, "offsets"), view(groups, "groups"), view(spans, "spans"), view(words, "mask"),
                          view(positions, "positions"), view(sinks, "sinks"), view(out, "out"), scale, window, None, 0)
 
     with pytest.raises(ValueError, match="^start: .*int64"):
@@ -136,6 +140,10 @@ def test_native_entry_points_check_their_arguments():
         attend(window=4)
     with pytest.raises(ValueError, match="^positions: .*size 2 in dim 0"):
         attend(window=4, positions=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="^spans: .*size 1"):
+        attend(spans=torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="^spans: not with a sliding window"):
+        attend(spans=torch.tensor([2]), window=4, positions=torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="^sinks: .*size 4"):
         attend(sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="^q: tree_attention has a CUDA kernel only"):

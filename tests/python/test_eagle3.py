@@ -301,6 +301,57 @@ def test_catch_up_expansion_catch_up_equals_one_pass(target, native_step):
     assert calls.count == (6 if native_step else 0)
 
 
+def test_forward_words_equals_forward_with_visible_slots(target):
+    """The device round's call (Eagle3Head.forward_words: mask words over scratch slots relative to the
+    accepted lengths, the decoder ops' torch versions here) gives forward's logits and hidden states
+    with the same visibility as a [B, K, S] tensor, level after level of a tree, and writes the same
+    cache entries."""
+    w = _weights(seed=5)
+    head = _head(target, w, native_step=False)
+    B, K, depth = 2, 3, 4
+    g = torch.Generator().manual_seed(6)
+    caches = [head.new_cache(B, 40), head.new_cache(B, 40)]
+    feats = tuple(torch.randn(B, 7, H, generator=g) for _ in range(3))
+    tokens = torch.randint(0, V, (B, 7), generator=g)
+    for cache in caches:  # the same accepted prefix in both: 7 and 4 entries
+        step = cache.append_inputs([7, 4])
+        head(cache, tokens, feats, positions=step.positions, slots=step.slots, visible=step.visible)
+        cache.advance([7, 4])
+    n = torch.tensor(caches[0].lengths)
+    span = (depth - 1) * K
+    words = torch.zeros(B, K, 1, dtype=torch.int32)
+    hidden = torch.randn(B, K, H, generator=g)
+    for d in range(1, depth):
+        own = (d - 1) * K + torch.arange(K)  # relative scratch slots
+        words[:, :, 0] |= (1 << own)[None, :].int()
+        visible = (torch.arange(40)[None, None, :] < n[:, None, None]).expand(B, K, 40).clone()  # the prefix
+        bits = (words[:, :, 0, None] >> torch.arange(span)) & 1  # [B, K, span]
+        for b in range(B):
+            visible[b, :, int(n[b]): int(n[b]) + span] |= bits[b].bool()
+        toks = torch.randint(0, V, (B, K), generator=g)
+        positions = (n - 1 + d)[:, None].expand(B, K)
+        want = head(caches[0], toks, hidden, positions=positions, slots=n[:, None] + own, visible=visible)
+        got = head.forward_words(caches[1], toks, hidden, start=n, positions=positions, slots=own.expand(B, K),
+                                 words=words.view(B * K, 1), span=span)
+        _close(got.logits, want.logits, f"level {d} logits")
+        _close(got.hidden, want.hidden, f"level {d} hidden")
+        parent = torch.randint(0, K, (B, K), generator=g)
+        hidden = want.hidden.gather(1, parent[:, :, None].expand(B, K, H))
+        words = words.gather(1, parent[:, :, None])
+    for b in range(B):
+        end = int(n[b]) + span
+        _close(caches[1].k[b, :, :end], caches[0].k[b, :, :end], "k cache")
+    # a catch-up of 3 entries each (the policy's device catch-up: causal words, span T)
+    feats = tuple(torch.randn(B, 3, H, generator=g) for _ in range(3))
+    tokens = torch.randint(0, V, (B, 3), generator=g)
+    step = caches[0].append_inputs([3, 3])
+    want = head(caches[0], tokens, feats, positions=step.positions, slots=step.slots, visible=step.visible)
+    causal = torch.tensor([[1], [3], [7]], dtype=torch.int32).repeat(B, 1)  # entry j sees new entries 0..j
+    got = head.forward_words(caches[1], tokens, feats, start=n, positions=n[:, None] + torch.arange(3),
+                             slots=torch.arange(3).expand(B, 3), words=causal, span=3)
+    _close(got.logits, want.logits, "catch-up logits")
+
+
 def test_ttt_forward_equals_cached_inference(target):
     """Step j of the training-time test at row t == catch-up over rows 0..t, then a chain of j nodes."""
     w = _weights(seed=7)

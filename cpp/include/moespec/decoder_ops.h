@@ -91,6 +91,8 @@ struct TreeAttentionArgs {
   TensorView offsets;  // [B + 1] int64: request b's tokens are the rows [offsets[b], offsets[b + 1])
   TensorView groups;   // [G, 3] int32: a block's tokens: (request, first row, count <= 8), rows of one request
   TensorView mask;     // [P, W] int32: bit j % 32 of word j / 32 = the token sees its request's new slot j
+  TensorView spans;    // [B] int64 (optional): new slots request b's mask rows index (default: its token
+                       // count; the draft head's levels see scratch slots past their own tokens)
   TensorView positions;  // [P] int64 (needed with a window): the tokens' rope positions
   TensorView sinks;    // [Hq] float32 or q's dtype (optional): each head's sink logit
   TensorView out;      // out [P, Hq, D]

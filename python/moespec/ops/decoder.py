@@ -98,16 +98,17 @@ def attention_inputs(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: 
     return q
 
 
-def visible_slots(start: torch.Tensor, words: torch.Tensor, S: int) -> torch.Tensor:
+def visible_slots(start: torch.Tensor, words: torch.Tensor, S: int, spans: Optional[torch.Tensor] = None) -> torch.Tensor:
     """bool [B, T, S]: which of the first S cache slots each token sees: the committed slots
-    [0, start[b]) and the new slot start[b] + j where bit j % 32 of word j // 32 of its row of
-    ``words`` [B, T, W] (int32 or sign-extended int64) is set."""
-    B, T = words.shape[:2]
-    rel = torch.arange(S, device=start.device)[None, :] - start[:, None]  # [B, S]: index among the new tokens
-    r = rel.clamp(0, T - 1)
+    [0, start[b]) and the new slot start[b] + j (j < spans[b], default T) where bit j % 32 of word
+    j // 32 of its row of ``words`` [B, T, W] (int32 or sign-extended int64) is set."""
+    B, T, W = words.shape
+    rel = torch.arange(S, device=start.device)[None, :] - start[:, None]  # [B, S]: index among the new slots
+    r = rel.clamp(0, 32 * W - 1)
     word = torch.gather(words.long(), 2, (r // 32)[:, None, :].expand(B, T, S))  # [B, T, S]
     bit = ((word >> (r % 32)[:, None, :]) & 1).bool()
-    return (rel < 0)[:, None, :] | (((rel >= 0) & (rel < T))[:, None, :] & bit)
+    span = torch.full((B, 1), T, device=start.device) if spans is None else spans[:, None]
+    return (rel < 0)[:, None, :] | (((rel >= 0) & (rel < span))[:, None, :] & bit)
 
 
 def attention_groups(offsets: Sequence[int]) -> torch.Tensor:
@@ -122,13 +123,14 @@ def attention_groups(offsets: Sequence[int]) -> torch.Tensor:
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
                    offsets: torch.Tensor, groups: torch.Tensor, words: torch.Tensor, scale: float, *,
-                   positions: Optional[torch.Tensor] = None, window: int = 0,
+                   spans: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None, window: int = 0,
                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of the packed tokens q [P, Hq, D] (request b's are the rows [offsets[b],
     offsets[b + 1]), ``offsets`` long [B + 1]; ``groups``: :func:`attention_groups` of them) over
     k_cache, v_cache [B, Hkv, S_max, D]: token p of request b sees the committed slots [0, start[b])
     and its request's new slot start[b] + j where bit j % 32 of word j // 32 of its row of ``words``
-    [P, W] (int32) is set (:func:`visible_slots`); with ``window`` > 0 only those whose position is
+    [P, W] (int32) is set (:func:`visible_slots`; j < spans[b], ``spans`` long [B], default: the
+    request's token count: the draft head's levels see scratch slots past their own); with ``window`` > 0 only those whose position is
     less than ``window`` behind its own (``positions`` long [P]; a committed slot's position is its
     index); ``sinks`` [Hq]: each head's sink logit in every softmax's denominator (GPT-OSS). Softmax
     in fp32 (with sinks: as :func:`moespec.runtime.attention.attention_with_sinks` computes it).
@@ -141,7 +143,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         nbytes = native().tree_attention_workspace_size(P, groups.shape[0], Hq, D, k_cache.shape[2])
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes else None
         native().tree_attention(view(q, "q"), view(k_cache, "k_cache"), view(v_cache, "v_cache"), view(start, "start"),
-                                view(offsets, "offsets"), view(groups, "groups"), view(words, "mask"),
+                                view(offsets, "offsets"), view(groups, "groups"), view(spans, "spans"),
+                                view(words, "mask"),
                                 view(positions if window else None, "positions"), view(sinks, "sinks"),
                                 view(out, "out"), float(scale), int(window), view(workspace, "workspace"), _stream(q))
         return out
@@ -151,14 +154,15 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         if end > begin:
             out[begin:end] = _attend_request(q[begin:end], k_cache[b:b + 1], v_cache[b:b + 1], start[b:b + 1],
                                              words[begin:end], scale, None if positions is None else
-                                             positions[begin:end], window, sinks, S)
+                                             positions[begin:end], window, sinks, S,
+                                             None if spans is None else spans[b:b + 1])
     return out
 
 
-def _attend_request(q, k, v, start, words, scale, positions, window, sinks, S):
+def _attend_request(q, k, v, start, words, scale, positions, window, sinks, S, spans):
     """One request's tokens q [T, Hq, D] over its cache k, v [1, Hkv, S, D] (the CPU version)."""
     T = q.shape[0]
-    mask = visible_slots(start, words[None], S)  # [1, T, S]
+    mask = visible_slots(start, words[None], S, spans)  # [1, T, S]
     if window:
         key_pos = torch.arange(S, device=q.device)  # [S]: a committed slot's position is its index
         new = int(start) + torch.arange(T, device=q.device)

@@ -2,8 +2,8 @@
 
 A draft round (:meth:`moespec.spec.eagle3_policy.Eagle3Policy._grow`: expand_root, depth - 1 head
 levels over the K frontier nodes, the tree core's finalize) is a fixed sequence of a few hundred
-small kernels whose shapes depend only on (B, K, depth) once the head attends every slot of its
-cache (``S = max_len``, the rest masked) instead of the accepted ones: so it can be captured once
+small kernels whose shapes depend only on (B, K, depth) (the head attends the accepted prefix and
+the scratch slots its mask words name, the lengths read on the device): so it can be captured once
 and replayed, one launch instead of hundreds, as the target's decode and verify steps are
 (:mod:`moespec.runtime.graphs`). Per round, the inputs that change (each request's root token and
 accepted length, the head's output after its root) are copied into static buffers, the round
@@ -70,8 +70,7 @@ class StaticDraftRound:
         return [t.clone() for t in self.builder.finalize_host()]
 
     def _round(self) -> None:
-        self.policy._grow(self.builder, self.dc, self.roots, self.logits, self.hidden, self.lengths,
-                          self.dc.max_len, None)
+        self.policy._grow(self.builder, self.dc, self.roots, self.logits, self.hidden, self.lengths, None)
         self.builder.finalize_device()
 
     def _capture(self) -> None:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
@@ -65,6 +64,7 @@ from moespec.ops import decoder as decoder_ops
 from moespec.ops.linear import linear
 from moespec.ops.routing import softmax_vector_width
 from moespec.runtime.state import RopeTable
+from moespec.spec.draft_cache import DraftCache, DraftOutput, StepInputs  # noqa: F401 (re-exported)
 from moespec.spec.eagle3_config import Eagle3Config, default_aux_layers  # noqa: F401 (re-exported)
 
 
@@ -145,90 +145,6 @@ def expected_shapes(c: Eagle3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# ---- draft KV cache -----------------------------------------------------------------------------
-
-
-@dataclass
-class StepInputs:
-    """Where the new tokens of one forward go and what they see (see :meth:`DraftCache.append_inputs`)."""
-
-    positions: torch.Tensor  # long [B, T]: rope positions
-    slots: torch.Tensor  # long [B, T]: cache slot written; -1 for padding (not written)
-    visible: torch.Tensor  # bool [B, T, S]: query (b, t) attends slot s
-
-
-@dataclass
-class DraftCache:
-    """The draft head's KV cache, allocated once and written at explicit slots (gpt-fast style).
-
-    ``lengths[b]`` entries of request b are the accepted prefix (EAGLE's ``stable_kv``): slots
-    ``[0, lengths[b])``. Slots from ``lengths[b]`` on are scratch for tree expansion; the next
-    catch-up overwrites them. One more slot, ``max_len``, takes the writes of padding entries (so
-    that a forward writes every entry, with no host synchronisation to find the real ones); it is
-    never attended.
-    """
-
-    k: torch.Tensor  # [B, Hkv, S_max + 1, D] (slot S_max: the discard slot)
-    v: torch.Tensor  # [B, Hkv, S_max + 1, D]
-    lengths: list[int]  # [B]
-
-    @property
-    def batch(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2] - 1
-
-    def reset(self, rows: Optional[Sequence[int]] = None) -> None:
-        """Forgets the entries of the given requests (all by default); the memory is reused."""
-        for b in range(self.batch) if rows is None else rows:
-            self.lengths[b] = 0
-
-    def advance(self, num: Sequence[int]) -> None:
-        """Marks ``num[b]`` more entries of request b as accepted (after a catch-up forward)."""
-        if len(num) != self.batch:
-            raise ValueError(f"advance: num has {len(num)} entries, the cache holds {self.batch} requests")
-        for b, n in enumerate(num):
-            if not 0 <= self.lengths[b] + int(n) <= self.max_len:
-                raise ValueError(f"advance: request {b} would hold {self.lengths[b] + int(n)} entries, "
-                                 f"max_len is {self.max_len}")
-            self.lengths[b] += int(n)
-
-    def append_inputs(self, num: Sequence[int]) -> StepInputs:
-        """Inputs for appending ``num[b]`` entries to request b (catch-up): slots and positions
-        ``lengths[b] + j``, each entry seeing the accepted prefix and the earlier new entries.
-        Padded tokens (j >= num[b]) get slot -1 and see slot 0 only. Does not advance the lengths."""
-        if len(num) != self.batch:
-            raise ValueError(f"append_inputs: num has {len(num)} entries, the cache holds {self.batch} requests")
-        count, start = np.array([int(n) for n in num], dtype=np.int64), np.array(self.lengths, dtype=np.int64)
-        if (count < 0).any() or int(count.max()) < 1:
-            raise ValueError(f"append_inputs: num must be >= 0 with at least one token, got {list(num)}")
-        end = start + count
-        if int(end.max()) > self.max_len:
-            b = int(end.argmax())
-            raise ValueError(f"draft cache overflow: request {b} holds {self.lengths[b]} entries, {int(count[b])} "
-                             f"more exceed max_len={self.max_len}")
-        T, S = int(count.max()), int(end.max())
-        j = np.arange(T)
-        valid = j[None, :] < count[:, None]  # [B, T]
-        positions = start[:, None] + j[None, :]  # [B, T]
-        slots = np.where(valid, positions, -1)  # [B, T]
-        visible = np.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        visible &= valid[:, :, None]
-        visible[:, :, 0] |= ~valid
-        positions, slots, visible = (torch.from_numpy(a) for a in (positions, slots, visible))
-        device = self.k.device
-        return StepInputs(positions=to_device(positions, device), slots=to_device(slots, device),
-                          visible=to_device(visible, device))
-
-
-@dataclass
-class DraftOutput:
-    logits: torch.Tensor  # float32 [B, T, Vd]: draft logits over the draft vocabulary
-    hidden: torch.Tensor  # [B, T, H]: the layer's output before the final norm (fed back when expanding)
-
-
 # ---- the head -----------------------------------------------------------------------------------
 
 
@@ -279,6 +195,7 @@ class Eagle3Head(nn.Module):
         # float32 [D/2]; a plain attribute, not a buffer, so that module.to(bf16) cannot round it
         self._inv_freq = c.rope.inv_freq(c.head_dim)
         self._fused_weights: dict[str, tuple] = {}  # inference copies of q/k/v and gate/up, see _fused
+        self._packing: dict[tuple, tuple] = {}  # forward_words' tree-attention geometry per (B, T, span)
         self._native: Optional[tuple] = None  # (weights key, DecoderModel, RopeTable), see _native_model
         self._params_list: Optional[list[torch.Tensor]] = None  # the parameters, listed once (_native_model)
         self.native_step = True  # inference on the CPU through the native step (False: the torch ops)
@@ -372,14 +289,7 @@ class Eagle3Head(nn.Module):
         # every entry writes, with no host synchronisation: padding (slot -1), and on a GPU slots past the
         # cache (not checked there: a check would synchronise), go to the discard slot max_len
         write = torch.where((slots >= 0) & (slots < cache.max_len), slots, cache.max_len)  # [B, T]
-        request = torch.arange(B, device=slots.device)[:, None].expand(B, T)
-        D, a = c.head_dim, self.midlayer.self_attn  # rope and the cache writes: one launch on CUDA
-        cos, sin = (t.reshape(B * T, D) for t in self._rope(positions, x))
-        q = decoder_ops.attention_inputs(
-            linear(x, self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).reshape(B * T, -1), None, None, cos, sin,
-            cache.k, cache.v, request.reshape(-1), write.reshape(-1), num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads, qk_norm="none", eps=c.rms_norm_eps, clip=None)
-        q = q.view(B, T, -1, D).transpose(1, 2)  # [B, Hq, T, D]
+        q = self._attention_inputs(cache, x, positions, write).view(B, T, -1, c.head_dim).transpose(1, 2)
         mask = visible.clone()
         mask[:, :, 0] |= ~visible.any(dim=-1)
         o = F.scaled_dot_product_attention(q, cache.k[:, :, :S], cache.v[:, :, :S], attn_mask=mask[:, None],
@@ -390,6 +300,49 @@ class Eagle3Head(nn.Module):
             rows = torch.arange(B, device=out.device)
             return DraftOutput(logits=self.logits(out[rows, last])[:, None], hidden=out)
         return DraftOutput(logits=self.logits(out), hidden=out)
+
+    @torch.inference_mode()
+    def forward_words(self, cache: DraftCache, tokens: torch.Tensor, hidden: Features, *, start: torch.Tensor,
+                      positions: torch.Tensor, slots: torch.Tensor, words: torch.Tensor, span: int,
+                      last_only: bool = False) -> DraftOutput:
+        """:meth:`forward_native`'s terms on the device, through the decoder ops (the norms, rope + cache
+        writes and a tree attention over the accepted prefix and the words' slots only: a few launches,
+        the kernels on CUDA): T entries per request at slots start[b] + slots (``start`` long [B] on the
+        entries' device: a static buffer in a captured round; ``slots`` long [B, T] >= 0, relative),
+        each seeing the accepted prefix [0, start[b]) and the slots start[b] + i for the bits i < span of
+        its row of ``words`` int32 [B T, W]. Positions long [B, T]. Returns as :meth:`forward`. Where the
+        head runs natively (the CPU) the call is :meth:`forward_native`'s (``start`` = the cache's lengths)."""
+        c = self.config
+        B, T = tokens.shape
+        h = self._features(hidden, allow_own=True)
+        if self.runs_natively(cache):  # (the CPU: the native step, whose start is the cache's lengths)
+            return self.forward_native(cache, tokens, h, positions.numpy(), slots.numpy(), words.numpy(), last_only)
+        residual, x = self._inputs(tokens, h)
+        q = self._attention_inputs(cache, x, positions, start[:, None] + slots)  # [B T, Hq, D]
+        key = (B, T, span, x.device)
+        if key not in self._packing:  # (made on a round's eager run, before a capture; kept: a graph reads them)
+            bounds = list(range(0, B * T + 1, T))
+            self._packing[key] = (to_device(bounds, x.device, torch.long),
+                                  to_device(decoder_ops.attention_groups(bounds), x.device),
+                                  to_device([span] * B, x.device, torch.long))
+        offsets, groups, spans = self._packing[key]
+        o = decoder_ops.tree_attention(q, cache.k, cache.v, start, offsets, groups, words, c.head_dim ** -0.5,
+                                       spans=spans)
+        out = self._finish(residual, o.view(B, T, -1, c.head_dim).transpose(1, 2))  # [B, T, H]
+        return DraftOutput(logits=self.logits(out[:, -1:] if last_only else out), hidden=out)
+
+    def _attention_inputs(self, cache: DraftCache, x: torch.Tensor, positions: torch.Tensor,
+                          write: torch.Tensor) -> torch.Tensor:
+        """q [B T, Hq, D] of the entries x [B, T, 2H], their k and v written at the cache slots ``write``
+        [B, T] (rope and the writes: one launch on CUDA)."""
+        c, a = self.config, self.midlayer.self_attn
+        B, T, _ = x.shape
+        cos, sin = (t.reshape(B * T, c.head_dim) for t in self._rope(positions, x))
+        request = torch.arange(B, device=write.device)[:, None].expand(B, T)
+        return decoder_ops.attention_inputs(
+            linear(x, self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).reshape(B * T, -1), None, None, cos, sin,
+            cache.k, cache.v, request.reshape(-1), write.reshape(-1), num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads, qk_norm="none", eps=c.rms_norm_eps, clip=None)
 
     def runs_natively(self, cache: DraftCache) -> bool:
         """Whether calls over ``cache`` run through the native step (:meth:`forward_native` needs it)."""

@@ -126,13 +126,19 @@ class Eagle3Policy:
         T = max(num)
         dev = self.target.device
         tokens = to_device([t + [0] * (T - len(t)) for t in next_tokens], dev)  # [B, T]
-        if T > 0 and min(num) == T and self._host_round(dc):  # every request T entries: the native step's terms
+        if T > 0 and min(num) == T:  # every request T entries: the native step's terms (mask words)
             j = np.arange(T)
             causal = np.packbits(j[None, :] <= j[:, None], axis=-1, bitorder="little")  # entry j sees new 0..j
-            causal = np.pad(causal, ((0, 0), (0, -causal.shape[1] % 4))).view(np.int32)  # [T, W] words
-            lengths = np.asarray(dc.lengths, dtype=np.int64)[:, None]
-            out = self.head.forward_native(dc, tokens, self.head.features(features), lengths + j, np.broadcast_to(
-                j, (len(num), T)), np.tile(causal, (len(num), 1)), last_only=True)
+            causal = np.tile(np.pad(causal, ((0, 0), (0, -causal.shape[1] % 4))).view(np.int32), (len(num), 1))
+            if self._host_round(dc):
+                lengths = np.asarray(dc.lengths, dtype=np.int64)[:, None]
+                out = self.head.forward_native(dc, tokens, self.head.features(features), lengths + j,
+                                               np.broadcast_to(j, (len(num), T)), causal, last_only=True)
+            else:  # on the device: the decoder ops, attention over the accepted prefix and the new entries only
+                start, rel = to_device(dc.lengths, dev, torch.long), torch.arange(T, device=dev)[None, :]
+                out = self.head.forward_words(dc, tokens, features, start=start, positions=start[:, None] + rel,
+                                              slots=rel.expand(len(num), T), words=to_device(causal, dev), span=T,
+                                              last_only=True)
             dc.advance(num)
             run.extra["draft_logits"], run.extra["draft_hidden"] = out.logits[:, 0], out.hidden[:, -1]
             return
@@ -204,10 +210,8 @@ class Eagle3Policy:
         if self._host_round(dc):
             self._grow_native(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"])
             return [t.clone() for t in builder.finalize()]
-        n = to_device(dc.lengths, self.target.device)  # [B] accepted draft entries
-        S = max(dc.lengths) + (c.depth - 1) * K  # (from the host's lengths: no synchronisation)
-        level_hidden = self._grow(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"], n, S,
-                                  active)
+        n = to_device(dc.lengths, self.target.device, torch.long)  # [B] accepted draft entries
+        level_hidden = self._grow(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"], n, active)
         if self.selector is not None:
             return self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden, active)
         return [t.clone() for t in builder.finalize()]
@@ -243,11 +247,14 @@ class Eagle3Policy:
             words = np.take_along_axis(words, parent.numpy()[:, :, None], 1)
 
     def _grow(self, builder: TreeBuilder, dc, roots, draft_logits: torch.Tensor, draft_hidden: torch.Tensor,
-              n: torch.Tensor, S: int, active) -> list[torch.Tensor]:
+              n: torch.Tensor, active) -> list[torch.Tensor]:
         """expand_root from the draft's output after each root, then up to depth - 1 expansions of the
-        K frontier nodes through the head (the eco policies stop where a level cannot pay); the head
-        attends S cache slots. Device work only, without a selector. Returns the levels' frontier
-        states (what a cost-aware choice reads)."""
+        K frontier nodes through the head (the eco policies stop where a level cannot pay); ``n`` long
+        [B]: each request's accepted draft entries, on the device. The frontier's visibility is kept as
+        mask words over the scratch slots (bit i: slot n[b] + i; the accepted prefix is always seen), as
+        :meth:`_grow_native` keeps it, and the head attends those slots only
+        (:meth:`Eagle3Head.forward_words`). Device work only, without a selector. Returns the levels'
+        frontier states (what a cost-aware choice reads)."""
         c, head = self.config, self.head
         B, K = len(draft_logits), c.top_k
         dev = self.target.device
@@ -256,15 +263,19 @@ class Eagle3Policy:
         level_hidden = []  # the frontier states that propose each next level (kept for a cost-aware choice)
         H = draft_hidden.shape[-1]
         hidden = draft_hidden[:, None, :].expand(B, K, H)  # the frontier's parents' outputs
-        seen = (torch.arange(S, device=dev)[None, :] < n[:, None])[:, None, :].expand(B, K, S).clone()  # [B, K, S]
+        span = (c.depth - 1) * K  # scratch slots of the round
+        words = torch.zeros(B, K, (span + 31) // 32, dtype=torch.int32, device=dev)  # the root sees no scratch slot
+        slot = torch.arange(K, device=dev)
         for d in range(1, c.depth):
             if self.selector is not None and not self.selector.worth_expanding(frontier.scores, active):
                 break  # no node of a deeper level can pay for it (the eco policies)
             level_start = time.perf_counter()
-            own = n[:, None] + (d - 1) * K + torch.arange(K, device=dev)[None, :]  # [B, K] scratch slots
-            seen.scatter_(2, own[:, :, None], True)  # each node sees itself
-            out = head(dc, frontier.tokens.to(dev, copy=True), hidden, positions=(n - 1 + d)[:, None].expand(B, K),
-                       slots=own, visible=seen)
+            own = (d - 1) * K + slot  # [K] the level's scratch slots, relative to n
+            words[:, slot, own // 32] |= torch.bitwise_left_shift(torch.ones_like(own, dtype=torch.int32),
+                                                                  (own % 32).int())  # each node sees itself
+            out = head.forward_words(dc, frontier.tokens.to(dev, copy=True), hidden, start=n,
+                                     positions=(n - 1 + d)[:, None].expand(B, K), slots=own.expand(B, K),
+                                     words=words.view(B * K, -1), span=span)
             top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
             frontier = builder.expand(top.indices, top.values)
             parent = frontier.parent_slot.long().to(dev)[:, :, None]  # [B, K, 1]
@@ -272,5 +283,5 @@ class Eagle3Policy:
                 level_hidden.append(out.hidden)
                 self.selector.observe_level(time.perf_counter() - level_start)
             hidden = out.hidden.gather(1, parent.expand(B, K, H))
-            seen = seen.gather(1, parent.expand(B, K, S))
+            words = words.gather(1, parent.expand(B, K, words.shape[-1]))
         return level_hidden
