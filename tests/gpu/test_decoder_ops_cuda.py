@@ -141,6 +141,7 @@ def check_tree_attention(seed, num, Hq, Hkv, D, S, dtype, window=0, sinks=False)
     ([16], 32, 4, 128, 600),  # a verify tree
     ([64] * 8, 32, 4, 128, 300),  # one split: written directly
     ([128, 3], 4, 1, 64, 200),  # 128 tokens: four mask words; unequal requests
+    ([256], 4, 2, 64, 300),  # 256 tokens: eight mask words
     ([5, 0, 7], 8, 8, 256, 70),  # a request without tokens
 ])
 @pytest.mark.parametrize("window,sinks", [(0, False), (128, True)])  # (GPT-OSS: a 128-position window, sinks)

@@ -128,8 +128,8 @@ def test_native_entry_points_check_their_arguments():
         attend(v=kc[:, :, :4])
     with pytest.raises(ValueError, match="^q: head dim D must be a multiple of 8"):
         attend(q=torch.zeros(2, 4, 12, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="^mask: expected 1 to 4 words a row"):
-        attend(words=torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="^mask: expected 1 to 8 words a row"):
+        attend(words=torch.zeros(2, 9, dtype=torch.int32))
     with pytest.raises(ValueError, match="^offsets: .*size 2"):
         attend(offsets=torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="^groups: .*size 3 in dim 1"):

@@ -12,7 +12,7 @@
 //                     or over all heads), rope (rotate-half) of q and k, k and v written at the
 //                     tokens' cache slots, q returned [P, Hq, D]: one launch, one block a token.
 //   tree_attention    the call's tokens packed request after request (requests of any sizes up
-//                     to 128 tokens): each token's attention over its request's committed slots
+//                     to 256 tokens): each token's attention over its request's committed slots
 //                     [0, start[b]) and the new slots start[b] + j whose bit j is set in its mask
 //                     row (the draft tree's packed ancestor words), reading only those slots (the
 //                     cache's length is read on the device: a graph replays it at any length); with
@@ -50,7 +50,7 @@ namespace moespec {
 constexpr int64_t kMaxNormWidth = 12032;        // H of rms_norm (its fp32 row in 47 KB of shared memory)
 constexpr int64_t kMaxAttentionInputs = 12032;  // (Hq + Hkv) D of attention_inputs (likewise)
 constexpr int64_t kMaxHeadDim = 256;           // D of tree_attention (128 for float32)
-constexpr int64_t kMaxTreeTokens = 128;        // new tokens of a request in tree_attention (W <= 4 mask words)
+constexpr int64_t kMaxTreeTokens = 256;        // new slots of a request in tree_attention (W <= 8 mask words)
 constexpr int64_t kTreeGroupTokens = 8;        // tokens a block of tree_attention takes (a `groups` count)
 
 struct RmsNormArgs {

@@ -15,7 +15,7 @@ holds against the reference backend.
 Used where :func:`supports` says the model fits (GQA, with or without sliding windows and sinks;
 float32 or bfloat16; head and hidden sizes within the kernels' bounds; not MLA) by the graphs
 backend (:mod:`moespec.runtime.graphs`): its captured steps (B requests of T tokens), and, eagerly
-(:func:`eager_forward`), the calls no bucket takes (trees of unequal sizes, prompts of up to 128
+(:func:`eager_forward`), the calls no bucket takes (trees of unequal sizes, prompts of up to 256
 tokens): the tokens stay packed, with no padding. ``MOESPEC_FUSED_STEP=0`` keeps the reference
 forward.
 

@@ -13,7 +13,7 @@ inside the step (routing, budget and experts run in moespec's CUDA ops, which al
 allocator and run on the current stream). Prefill, and calls that fit no
 bucket (unequal tree sizes, trees over ``max_tokens`` nodes, an observer recording routing), run
 eagerly: through the fused forward on their packed tokens where it takes them
-(:func:`moespec.runtime.fused.eager_forward`: up to 128 tokens a request, no observer), else the
+(:func:`moespec.runtime.fused.eager_forward`: up to 256 tokens a request, no observer), else the
 reference forward.
 
 The forward is :class:`moespec.runtime.fused.FusedForward` where the model fits it (the reference
