@@ -341,15 +341,24 @@ def test_forward_words_equals_forward_with_visible_slots(target):
     for b in range(B):
         end = int(n[b]) + span
         _close(caches[1].k[b, :, :end], caches[0].k[b, :, :end], "k cache")
-    # a catch-up of 3 entries each (the policy's device catch-up: causal words, span T)
-    feats = tuple(torch.randn(B, 3, H, generator=g) for _ in range(3))
-    tokens = torch.randint(0, V, (B, 3), generator=g)
-    step = caches[0].append_inputs([3, 3])
-    want = head(caches[0], tokens, feats, positions=step.positions, slots=step.slots, visible=step.visible)
-    causal = torch.tensor([[1], [3], [7]], dtype=torch.int32).repeat(B, 1)  # entry j sees new entries 0..j
-    got = head.forward_words(caches[1], tokens, feats, start=n, positions=n[:, None] + torch.arange(3),
-                             slots=torch.arange(3).expand(B, 3), words=causal, span=3)
-    _close(got.logits, want.logits, "catch-up logits")
+    # catch-ups (the policy's device catch-up: causal words, span T; padding entries: slot -1), of 3
+    # entries each, then of 3 and 1 (each request's last real entry's logits, its real rows' states)
+    for num in ([3, 3], [3, 1]):
+        feats = tuple(torch.randn(B, 3, H, generator=g) for _ in range(3))
+        tokens = torch.randint(0, V, (B, 3), generator=g)
+        n = torch.tensor(caches[0].lengths)
+        step = caches[0].append_inputs(num)
+        want = head(caches[0], tokens, feats, positions=step.positions, slots=step.slots, visible=step.visible,
+                    last_only=True)
+        causal = torch.tensor([[1], [3], [7]], dtype=torch.int32).repeat(B, 1)  # entry j sees new entries 0..j
+        rel = torch.tensor([[j if j < k else -1 for j in range(3)] for k in num])
+        got = head.forward_words(caches[1], tokens, feats, start=n, positions=n[:, None] + rel.clamp_min(0),
+                                 slots=rel, words=causal, span=3, last_only=True)
+        _close(got.logits, want.logits, f"catch-up {num} logits")
+        for b, k in enumerate(num):
+            _close(got.hidden[b, :k], want.hidden[b, :k], f"catch-up {num} hidden")
+        for cache in caches:
+            cache.advance(num)
 
 
 def test_ttt_forward_equals_cached_inference(target):

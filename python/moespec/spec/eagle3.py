@@ -294,10 +294,14 @@ class Eagle3Head(nn.Module):
         mask[:, :, 0] |= ~visible.any(dim=-1)
         o = F.scaled_dot_product_attention(q, cache.k[:, :, :S], cache.v[:, :, :S], attn_mask=mask[:, None],
                                            scale=c.head_dim ** -0.5, enable_gqa=c.num_heads != c.num_kv_heads)
-        out = self._finish(residual, o)  # [B, T, H]
+        return self._outputs(self._finish(residual, o), slots, last_only)
+
+    def _outputs(self, out: torch.Tensor, slots: torch.Tensor, last_only: bool) -> DraftOutput:
+        """The layer's output [B, T, H] with its logits (``last_only``: each request's last entry with
+        slot >= 0)."""
         if last_only:
             last = ((slots >= 0).sum(1) - 1).clamp_min(0)  # [B]
-            rows = torch.arange(B, device=out.device)
+            rows = torch.arange(out.shape[0], device=out.device)
             return DraftOutput(logits=self.logits(out[rows, last])[:, None], hidden=out)
         return DraftOutput(logits=self.logits(out), hidden=out)
 
@@ -308,17 +312,20 @@ class Eagle3Head(nn.Module):
         """:meth:`forward_native`'s terms on the device, through the decoder ops (the norms, rope + cache
         writes and a tree attention over the accepted prefix and the words' slots only: a few launches,
         the kernels on CUDA): T entries per request at slots start[b] + slots (``start`` long [B] on the
-        entries' device: a static buffer in a captured round; ``slots`` long [B, T] >= 0, relative),
-        each seeing the accepted prefix [0, start[b]) and the slots start[b] + i for the bits i < span of
-        its row of ``words`` int32 [B T, W]. Positions long [B, T]. Returns as :meth:`forward`. Where the
-        head runs natively (the CPU) the call is :meth:`forward_native`'s (``start`` = the cache's lengths)."""
+        entries' device: a static buffer in a captured round; ``slots`` long [B, T], relative; -1: a
+        padding entry, written to the discard slot), each seeing the accepted prefix [0, start[b]) and the
+        slots start[b] + i for the bits i < span of its row of ``words`` int32 [B T, W]. Positions long
+        [B, T]. Returns as :meth:`forward` (``last_only``: each request's last entry with a slot). Where
+        the head runs natively (the CPU) the call is :meth:`forward_native`'s (``start`` = the cache's
+        lengths, no padding)."""
         c = self.config
         B, T = tokens.shape
         h = self._features(hidden, allow_own=True)
         if self.runs_natively(cache):  # (the CPU: the native step, whose start is the cache's lengths)
             return self.forward_native(cache, tokens, h, positions.numpy(), slots.numpy(), words.numpy(), last_only)
         residual, x = self._inputs(tokens, h)
-        q = self._attention_inputs(cache, x, positions, start[:, None] + slots)  # [B T, Hq, D]
+        write = torch.where(slots >= 0, start[:, None] + slots, cache.max_len)  # padding (-1): the discard slot
+        q = self._attention_inputs(cache, x, positions, write)  # [B T, Hq, D]
         key = (B, T, span, x.device)
         if key not in self._packing:  # (made on a round's eager run, before a capture; kept: a graph reads them)
             bounds = list(range(0, B * T + 1, T))
@@ -328,8 +335,7 @@ class Eagle3Head(nn.Module):
         offsets, groups, spans = self._packing[key]
         o = decoder_ops.tree_attention(q, cache.k, cache.v, start, offsets, groups, words, c.head_dim ** -0.5,
                                        spans=spans)
-        out = self._finish(residual, o.view(B, T, -1, c.head_dim).transpose(1, 2))  # [B, T, H]
-        return DraftOutput(logits=self.logits(out[:, -1:] if last_only else out), hidden=out)
+        return self._outputs(self._finish(residual, o.view(B, T, -1, c.head_dim).transpose(1, 2)), slots, last_only)
 
     def _attention_inputs(self, cache: DraftCache, x: torch.Tensor, positions: torch.Tensor,
                           write: torch.Tensor) -> torch.Tensor:

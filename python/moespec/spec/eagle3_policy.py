@@ -126,31 +126,30 @@ class Eagle3Policy:
         T = max(num)
         dev = self.target.device
         tokens = to_device([t + [0] * (T - len(t)) for t in next_tokens], dev)  # [B, T]
-        if T > 0 and min(num) == T:  # every request T entries: the native step's terms (mask words)
+        native = self.head.runs_natively(dc)
+        if T > 0 and (min(num) == T or not native):  # the native step's terms: mask words, entry j sees new 0..j
             j = np.arange(T)
-            causal = np.packbits(j[None, :] <= j[:, None], axis=-1, bitorder="little")  # entry j sees new 0..j
+            causal = np.packbits(j[None, :] <= j[:, None], axis=-1, bitorder="little")
             causal = np.tile(np.pad(causal, ((0, 0), (0, -causal.shape[1] % 4))).view(np.int32), (len(num), 1))
-            if self._host_round(dc):
+            if native:  # every request T entries
                 lengths = np.asarray(dc.lengths, dtype=np.int64)[:, None]
                 out = self.head.forward_native(dc, tokens, self.head.features(features), lengths + j,
                                                np.broadcast_to(j, (len(num), T)), causal, last_only=True)
-            else:  # on the device: the decoder ops, attention over the accepted prefix and the new entries only
-                start, rel = to_device(dc.lengths, dev, torch.long), torch.arange(T, device=dev)[None, :]
-                out = self.head.forward_words(dc, tokens, features, start=start, positions=start[:, None] + rel,
-                                              slots=rel.expand(len(num), T), words=to_device(causal, dev), span=T,
+            else:  # on the device: attention over the accepted prefix and the new entries only; padding (-1)
+                start = to_device(dc.lengths, dev, torch.long)  # entries write the discard slot
+                rel = to_device([[i if i < n else -1 for i in range(T)] for n in num], dev, torch.long)
+                out = self.head.forward_words(dc, tokens, features, start=start, positions=start[:, None] +
+                                              rel.clamp_min(0), slots=rel, words=to_device(causal, dev), span=T,
                                               last_only=True)
-            dc.advance(num)
-            run.extra["draft_logits"], run.extra["draft_hidden"] = out.logits[:, 0], out.hidden[:, -1]
-            return
-        step = dc.append_inputs(num)
-        out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible,
-                        last_only=True)
+        else:
+            step = dc.append_inputs(num)
+            out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible,
+                            last_only=True)
         dc.advance(num)
         last = to_device([max(n - 1, 0) for n in num], dev)
-        rows = torch.arange(len(num), device=dev)
-        logits, hidden = out.logits[:, 0], out.hidden[rows, last]  # [B, Vd], [B, H]
-        keep = to_device([n > 0 for n in num], dev)[:, None]
-        if "draft_logits" in run.extra:  # requests without new entries keep their previous output
+        logits, hidden = out.logits[:, 0], out.hidden[torch.arange(len(num), device=dev), last]  # [B, Vd], [B, H]
+        if min(num) == 0 and "draft_logits" in run.extra:  # requests without new entries keep their previous output
+            keep = to_device([n > 0 for n in num], dev)[:, None]
             logits = torch.where(keep, logits, run.extra["draft_logits"])
             hidden = torch.where(keep, hidden, run.extra["draft_hidden"])
         run.extra["draft_logits"], run.extra["draft_hidden"] = logits, hidden
