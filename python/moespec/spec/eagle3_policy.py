@@ -198,10 +198,8 @@ class Eagle3Policy:
         """Builds every request's draft tree (steps 1-2); returns one DraftTree per request (those of
         inactive requests are not verified; default: all active)."""
         active = [True] * len(roots) if active is None else active
-        c = self.config
         dc = run.extra["draft_cache"]
-        B, K = len(roots), c.top_k
-        builder = self._builder(B)
+        builder = self._builder(len(roots))
         if self.static_round:  # static shapes: a CUDA graph on a GPU (no host synchronisation between levels)
             if self._static is None or self._static.dc is not dc or self._static.builder is not builder:
                 self._static = StaticDraftRound(self, builder, dc)
