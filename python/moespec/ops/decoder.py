@@ -1,17 +1,17 @@
 """The attention half of a decoder layer in few launches: ``rms_norm`` (with the residual add),
 ``attention_inputs`` (clip, q/k norm, rope, the cache writes) and ``tree_attention`` (a tree-masked
-attention that reads only the slots a request uses), for the runtime's graph steps
-(:mod:`moespec.runtime.fused`).
+attention over packed requests that reads only the slots a request uses), for the runtime's fused
+forward (:mod:`moespec.runtime.fused`) and the EAGLE-3 head on the device.
 
 On CUDA each is a kernel of cpp/kernels/decoder_ops.cu (contract: cpp/include/moespec/decoder_ops.h),
 launched on the current stream with no host synchronisation and no allocation but its output and
-scratch from torch's allocator (so a graph captures it). On the CPU (and with MOESPEC_FUSED_STEP=0) each runs
-its plain-torch version below: the reference forward's own ops (moespec.runtime.attention), which
-tests/gpu/test_decoder_ops_cuda.py holds the kernels to, and which the CPU tests run the graph steps
-and the draft head through.
+scratch from torch's allocator (so a graph captures it). On the CPU (and with MOESPEC_FUSED_STEP=0)
+each runs its plain-torch version below: the reference forward's own ops (moespec.runtime.attention),
+which tests/gpu/test_decoder_ops_cuda.py holds the kernels to, and which the CPU tests run the graph
+steps and the draft head through.
 
-Dimensions: P tokens (B requests x T tokens for tree_attention), H hidden, Hq/Hkv query and
-key-value heads, D head dim, S_max cache slots, W mask words per row ((T + 31) // 32).
+Dimensions: P tokens packed request after request, B requests, G groups of tree_attention, H hidden,
+Hq/Hkv query and key-value heads, D head dim, S_max cache slots, W mask words per row.
 """
 
 from __future__ import annotations
