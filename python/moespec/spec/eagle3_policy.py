@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from moespec._loader import native
 from moespec._tensor import to_device
 from moespec.models import TargetModel
 from moespec.spec.draft_graph import StaticDraftRound
@@ -261,6 +262,9 @@ class Eagle3Policy:
         H = draft_hidden.shape[-1]
         hidden = draft_hidden[:, None, :].expand(B, K, H)  # the frontier's parents' outputs
         span = (c.depth - 1) * K  # scratch slots of the round
+        if dev.type == "cuda" and span > native().kMaxTreeTokens:
+            raise ValueError(f"speculative config: (depth - 1) * top_k = {span} scratch slots; the draft round on a "
+                             f"GPU attends at most {native().kMaxTreeTokens} (tree_attention's mask rows)")
         words = torch.zeros(B, K, (span + 31) // 32, dtype=torch.int32, device=dev)  # the root sees no scratch slot
         slot = torch.arange(K, device=dev)
         for d in range(1, c.depth):
