@@ -417,6 +417,17 @@ void launch_tree_attention(const TreeAttentionArgs& a, float* partial, cudaStrea
   }
 }
 
+// launch(element): the op's launches for the model dtype's element type (bf16 or fp32), then the
+// launch error check.
+template <typename Launch>
+void launch_by_dtype(DType dtype, const char* op, Launch&& launch) {
+  if (dtype == DType::kBFloat16)
+    launch(__nv_bfloat16{});
+  else
+    launch(float{});
+  check_launch(op);
+}
+
 }  // namespace
 
 int64_t tree_attention_splits(int64_t groups, int64_t num_heads, int64_t max_slots) {
@@ -437,24 +448,18 @@ void rms_norm(const RmsNormArgs& a, void* stream) {
   validate_rms_norm(a);
   check_cuda_args(a.x, "x", "rms_norm");
   if (a.x.shape[0] == 0) return;
-  auto s = static_cast<cudaStream_t>(stream);
-  if (a.x.dtype == DType::kBFloat16)
-    launch_rms_norm<__nv_bfloat16>(a, s);
-  else
-    launch_rms_norm<float>(a, s);
-  check_launch("rms_norm");
+  launch_by_dtype(a.x.dtype, "rms_norm", [&](auto element) {
+    launch_rms_norm<decltype(element)>(a, static_cast<cudaStream_t>(stream));
+  });
 }
 
 void attention_inputs(const AttentionInputsArgs& a, void* stream) {
   validate_attention_inputs(a);
   check_cuda_args(a.qkv, "qkv", "attention_inputs");
   if (a.qkv.shape[0] == 0) return;
-  auto s = static_cast<cudaStream_t>(stream);
-  if (a.qkv.dtype == DType::kBFloat16)
-    launch_attention_inputs<__nv_bfloat16>(a, s);
-  else
-    launch_attention_inputs<float>(a, s);
-  check_launch("attention_inputs");
+  launch_by_dtype(a.qkv.dtype, "attention_inputs", [&](auto element) {
+    launch_attention_inputs<decltype(element)>(a, static_cast<cudaStream_t>(stream));
+  });
 }
 
 void tree_attention(const TreeAttentionArgs& a, void* workspace, std::size_t workspace_bytes, void* stream) {
@@ -466,12 +471,9 @@ void tree_attention(const TreeAttentionArgs& a, void* workspace, std::size_t wor
                     " bytes (tree_attention_workspace_size), got ", workspace_bytes);
   MOESPEC_CHECK_ARG(G <= 65535, "groups", "at most 65535 groups a call, got ", G);
   if (P == 0 || G == 0) return;
-  auto s = static_cast<cudaStream_t>(stream);
-  if (a.q.dtype == DType::kBFloat16)
-    launch_tree_attention<__nv_bfloat16>(a, static_cast<float*>(workspace), s);
-  else
-    launch_tree_attention<float>(a, static_cast<float*>(workspace), s);
-  check_launch("tree_attention");
+  launch_by_dtype(a.q.dtype, "tree_attention", [&](auto element) {
+    launch_tree_attention<decltype(element)>(a, static_cast<float*>(workspace), static_cast<cudaStream_t>(stream));
+  });
 }
 
 }  // namespace cuda
