@@ -87,7 +87,7 @@ void route_experts_binding(const py::object& router_logits, const py::object& bi
 
 void moe_experts_binding(const py::object& x, const py::object& ids, const py::object& weights,
                          const py::object& experts, const py::object& biases, const py::object& out,
-                         int64_t intermediate_size, int activation, float limit, float alpha,
+                         int64_t intermediate_size, int activation, float limit, float alpha, bool round_weights,
                          const py::object& workspace, uintptr_t stream) {
   MoeExpertsArgs a;
   a.x = to_view(x, "x");
@@ -102,6 +102,7 @@ void moe_experts_binding(const py::object& x, const py::object& ids, const py::o
   a.activation = static_cast<ExpertActivation>(activation);
   a.limit = limit;
   a.alpha = alpha;
+  a.round_weights = round_weights;
   if (a.x.device == Device::kCUDA) {
     const CudaWorkspace ws = cuda_workspace(workspace, a.x.device_index);
     py::gil_scoped_release release;
@@ -244,11 +245,12 @@ PYBIND11_MODULE(_native, m) {
       "ISAs this CPU can run, best last.");
   m.def("moe_experts", &moe_experts_binding,
         "MoE experts over a routing: x [T, H], ids int32 [T, K], weights f32 [T, K], experts [E, 3 I H] "
-        "(+ biases f32 [E, 2 I + H] for gpt_oss) -> out [T, H], written into the given output; CUDA tensors "
-        "take a workspace of moe_experts_workspace_size bytes and the stream.",
+        "(+ biases f32 [E, 2 I + H] for gpt_oss) -> out [T, H], written into the given output; round_weights: "
+        "each weight rounded to x's dtype first; CUDA tensors take a workspace of moe_experts_workspace_size bytes "
+        "and the stream.",
         py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("experts"), py::arg("biases"), py::arg("out"),
         py::arg("intermediate_size"), py::arg("activation"), py::arg("limit"), py::arg("alpha"),
-        py::arg("workspace") = py::none(), py::arg("stream") = 0);
+        py::arg("round_weights") = false, py::arg("workspace") = py::none(), py::arg("stream") = 0);
   m.def(
       "moe_experts_workspace_size",
       [](int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, int dtype) {

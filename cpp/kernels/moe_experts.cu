@@ -33,6 +33,10 @@
 //     shared memory: deterministic.
 //   - otherwise (fp32, odd sizes): plain FMA kernels, grid (E, rows / 32); each warp owns 4 rows,
 //     dots them with 8 of the expert's slots per pass (16-byte loads where aligned).
+// At decode and verify sizes on the tensor-core path (T K <= kFusedSlots) the four launches become
+// two, "the fused pair" (below: grouping inside every block, the combine inside the down kernel,
+// programmatic dependent launch between them on sm_90), with the same bits; MOESPEC_MOE_FUSED=0 keeps
+// the four launches. round_weights rounds each weight to bf16 where it is read (grouping, combine).
 // Sums within a dot product run in the hardware's order, not the CPU's: results agree with the CPU
 // op within the tolerances of its SIMD paths (moe_experts.h, "Precision"), not bitwise.
 #include <cuda_bf16.h>
@@ -40,9 +44,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "device_common.cuh"
+#include "moe_mma.cuh"
 #include "moespec/error.h"
 #include "moespec/moe_experts.h"
 
@@ -50,7 +58,7 @@ namespace moespec {
 namespace cuda {
 namespace {
 
-using namespace device;  // kWarp, kFullMask, to_f, from_f, warp_sum
+using namespace device;  // kWarp, kFullMask, to_f, from_f, warp_sum; the tensor-core blocks (moe_mma.cuh)
 
 // T tokens, K slots per token, E experts, H hidden, I intermediate, S used slots (<= T K).
 constexpr int kWarps = 8;                        // warps per block of the product kernels
@@ -70,28 +78,34 @@ struct Workspace {
   int32_t* order;    // [T K]
   int32_t* pos;      // [T K]
   int32_t* errors;   // [1]
+  int32_t* tiles;    // [H / 16]: the fused down kernel's finished blocks per row tile
   void* h;           // [T K, I] in the weights' dtype
   float* y;          // [T K, H]
 };
 
-Workspace carve(void* base, int64_t T, int64_t K, int64_t E, int64_t I, std::size_t elem) {  // (y last: [T K, H])
+// Lays the workspace out from `base` (each part 256-byte aligned) into *w when given; returns its
+// bytes (moe_experts_workspace_size: base null).
+std::size_t carve(void* base, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, std::size_t elem,
+                  Workspace* w) {
   char* p = static_cast<char*>(base);
-  Workspace w{};
-  const std::size_t slots = static_cast<std::size_t>(T * K);
-  w.offsets = reinterpret_cast<int32_t*>(p);
-  p += align_up(sizeof(int32_t) * static_cast<std::size_t>(E + 1));
-  w.used = reinterpret_cast<int32_t*>(p);
-  p += align_up(sizeof(int32_t) * static_cast<std::size_t>(E + 1));
-  w.order = reinterpret_cast<int32_t*>(p);
-  p += align_up(sizeof(int32_t) * slots);
-  w.pos = reinterpret_cast<int32_t*>(p);
-  p += align_up(sizeof(int32_t) * slots);
-  w.errors = reinterpret_cast<int32_t*>(p);
-  p += align_up(sizeof(int32_t));
-  w.h = p;
-  p += align_up(elem * slots * static_cast<std::size_t>(I));
-  w.y = reinterpret_cast<float*>(p);
-  return w;
+  std::size_t at = 0;
+  const auto take = [&](std::size_t bytes) {
+    void* part = p ? p + at : nullptr;
+    at += align_up(bytes);
+    return part;
+  };
+  const std::size_t slots = static_cast<std::size_t>(T * K), experts = static_cast<std::size_t>(E + 1);
+  Workspace v{};
+  v.offsets = static_cast<int32_t*>(take(sizeof(int32_t) * experts));
+  v.used = static_cast<int32_t*>(take(sizeof(int32_t) * experts));
+  v.order = static_cast<int32_t*>(take(sizeof(int32_t) * slots));
+  v.pos = static_cast<int32_t*>(take(sizeof(int32_t) * slots));
+  v.errors = static_cast<int32_t*>(take(sizeof(int32_t)));
+  v.tiles = static_cast<int32_t*>(take(sizeof(int32_t) * static_cast<std::size_t>(H / 16 + 1)));
+  v.h = take(elem * slots * static_cast<std::size_t>(I));
+  v.y = static_cast<float*>(take(sizeof(float) * slots * static_cast<std::size_t>(H)));
+  if (w) *w = v;
+  return at;
 }
 
 // ---- element access ---------------------------------------------------------------------------
@@ -166,6 +180,12 @@ __device__ __forceinline__ void dot_rows(const W* __restrict__ w, int64_t ldw, i
   }
 }
 
+// The weight of slot s as the experts use it (round_weights: rounded to bf16 first).
+__device__ __forceinline__ float slot_weight(const float* __restrict__ weights, int64_t s, bool round) {
+  const float w = weights[s];
+  return round ? __bfloat162float(__float2bfloat16_rn(w)) : w;
+}
+
 // ---- 1. grouping --------------------------------------------------------------------------------
 
 // Inclusive sum over the warp.
@@ -179,8 +199,8 @@ __device__ __forceinline__ int32_t warp_scan(int32_t v, int lane) {
 }
 
 // blockDim.x = E rounded up to whole warps (<= 1024 = kMaxMoeExperts): one thread per expert.
-__global__ void group_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, int64_t slots,
-                             int32_t E, int32_t* __restrict__ offsets, int32_t* __restrict__ order,
+__global__ void group_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, bool round,
+                             int64_t slots, int32_t E, int32_t* __restrict__ offsets, int32_t* __restrict__ order,
                              int32_t* __restrict__ pos, int32_t* __restrict__ used, int32_t* __restrict__ errors) {
   __shared__ int32_t counts[kMaxMoeExperts];  // per expert: its slots so far, then its offset
   __shared__ int32_t warp_slots[kWarp], warp_used[kWarp];
@@ -195,7 +215,7 @@ __global__ void group_kernel(const int32_t* __restrict__ ids, const float* __res
       if (s < slots) {
         const int32_t id = ids[s];
         if (id < 0 || id > E) ++bad;
-        else if (id < E && weights[s] != 0.0f) e = id;
+        else if (id < E && slot_weight(weights, s, round) != 0.0f) e = id;
       }
       const unsigned same = __match_any_sync(kFullMask, e);
       const int32_t rank = __popc(same & ((1u << lane) - 1u));
@@ -323,153 +343,39 @@ __global__ void __launch_bounds__(kWarps * kWarp)
   }
 }
 
-// ---- 2 and 3 on tensor cores (bf16, sm_80+) ------------------------------------------------------
+// ---- 2 and 3 on tensor cores (bf16, sm_80+; the blocks of moe_mma.cuh) -----------------------------
 
-constexpr int kSplit = 4;     // warps of a block, splitting the reduction dimension
-constexpr int kChunk = 32;    // reduction elements a warp takes per step: 16 bytes a thread, 2 mma
-constexpr int kMaxTiles = 8;  // n-tiles (8 tokens each) per pass over the weights (T > 32: one pass
-                              // for up to 64 tokens an expert; with 4, Mixtral's T = 64 made two
-                              // passes over 700 MB and ran at 0.62x torch on the H200)
-
-// 16 bytes of a weight stream, read once: not kept in L1.
-__device__ __forceinline__ uint4 load_stream(const __nv_bfloat16* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
+// Gate and up rows [r0, r0 + 16) of expert e over its `count` slots: slot `at` (0 <= at < count)
+// reads the x row x_row(at) and writes h row h_row(at) (h = act(gate x, up x), rounded to bf16).
+template <int kTiles, typename XRow, typename HRow>
+__device__ __forceinline__ void up_rows(const __nv_bfloat16* __restrict__ experts, const float* __restrict__ biases,
+                                        int e, int32_t count, int64_t r0, int64_t H, int64_t I, const ActParams& p,
+                                        float* red, XRow x_row, HRow h_row) {
+  const __nv_bfloat16* gate = experts + static_cast<int64_t>(e) * 3 * I * H + r0 * H;
+  const __nv_bfloat16* const w[2] = {gate, gate + I * H};
+  const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) : nullptr;
+  expert_passes<2, kTiles>(w, H, count, red, x_row, [=](int32_t at, int r, const float (&acc)[2][kTiles][4], int j, int i) {
+    const int64_t row = r0 + r;
+    h_row(at)[row] = __float2bfloat16_rn(activate(acc[0][j][i], acc[1][j][i], bias, I, row, p));
+  });
 }
 
-// c += A B for one m16n8k16 tile (A: 16 x 16 row-major bf16, B: 16 x 8 column-major, c: fp32).
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-               "{%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  (void)c, (void)a0, (void)a1, (void)a2, (void)a3, (void)b0, (void)b1;  // (the host picks this path on sm_80+ only)
-#endif
-}
-
-// acc[m][nt] += W_m[16 rows] . act[tokens of n-tile nt] over this warp's chunks of the reduction
-// dimension n (chunks warp, warp + kSplit, ...). W_m: row r at w[m] + r * ldw. Thread (g, t) =
-// (lane / 4, lane % 4) loads elements [8t, 8t + 8) of a chunk for rows g and g + 8 and for token g of
-// each n-tile (act row arow[nt]); mma step s takes elements 8t + 4s + {0..3} as the fragment's
-// k = {2t, 2t + 1, 2t + 8, 2t + 9}: the same permutation of k in A and B.
-template <int kMats, int kTiles, int kUnroll>
-__device__ __forceinline__ void mma_rows(const __nv_bfloat16* const (&w)[kMats], int64_t ldw,
-                                         const __nv_bfloat16* const (&arow)[kTiles], int tiles, int64_t n,
-                                         int warp, int lane, float (&acc)[kMats][kTiles][4]) {
-  const int g = lane / 4, t = lane % 4;
-  const __nv_bfloat16* rows[kMats][2];
-#pragma unroll
-  for (int m = 0; m < kMats; ++m) rows[m][0] = w[m] + g * ldw + 8 * t, rows[m][1] = rows[m][0] + 8 * ldw;
-  constexpr int64_t kStride = static_cast<int64_t>(kSplit) * kChunk;
-  for (int64_t k0 = static_cast<int64_t>(warp) * kChunk; k0 < n; k0 += kStride * kUnroll) {
-    uint4 a[kUnroll][kMats][2] = {}, b[kUnroll][kTiles] = {};
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {  // every load of kUnroll chunks first: bytes in flight
-      const int64_t k = k0 + u * kStride;
-      if (k >= n) break;
-#pragma unroll
-      for (int m = 0; m < kMats; ++m) {
-        a[u][m][0] = load_stream(rows[m][0] + k);
-        a[u][m][1] = load_stream(rows[m][1] + k);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = k0 + u * kStride;
-      if (k >= n) break;
-#pragma unroll
-      for (int j = 0; j < kTiles; ++j)
-        if (j < tiles) b[u][j] = __ldg(reinterpret_cast<const uint4*>(arow[j] + 8 * t + k));
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (k0 + u * kStride >= n) break;
-#pragma unroll
-      for (int j = 0; j < kTiles; ++j) {
-        if (j >= tiles) break;
-#pragma unroll
-        for (int m = 0; m < kMats; ++m) {
-          const uint4 &lo = a[u][m][0], &hi = a[u][m][1], &x = b[u][j];
-          mma_bf16(acc[m][j], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
-          mma_bf16(acc[m][j], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
-        }
-      }
-    }
-  }
-}
-
-// The kSplit warps' tiles summed in warp order (deterministic) into warp 0's acc; returns true in
-// warp 0. `red`: shared memory for kSplit * kMats * kTiles * 4 * 32 floats.
-template <int kMats, int kTiles>
-__device__ __forceinline__ bool reduce_warps(float (&acc)[kMats][kTiles][4], float* red, int warp, int lane) {
-  constexpr int kPer = kMats * kTiles * 4;
-  if (warp > 0) {
-#pragma unroll
-    for (int m = 0; m < kMats; ++m)
-#pragma unroll
-      for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[((warp - 1) * kPer + (m * kTiles + j) * 4 + i) * kWarp + lane] = acc[m][j][i];
-  }
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int v = 1; v < kSplit; ++v)
-#pragma unroll
-      for (int m = 0; m < kMats; ++m)
-#pragma unroll
-        for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[m][j][i] += red[((v - 1) * kPer + (m * kTiles + j) * 4 + i) * kWarp + lane];
-  }
-  __syncthreads();  // (red is reused by the next pass)
-  return warp == 0;
-}
-
-// The fragment element i of the accumulator: row (of the 16) and token column (of the 8).
-__device__ __forceinline__ int frag_row(int lane, int i) { return lane / 4 + (i >= 2 ? 8 : 0); }
-__device__ __forceinline__ int frag_col(int lane, int i) { return 2 * (lane % 4) + (i & 1); }
-
-
-// The passes of one block over its expert's slots, kTiles * 8 at a time, against weight rows of n
-// elements (w[m], 16 rows each, row stride n): the activation row of slot `at` (0 <= at < count) is
-// row_of(at); each pass streams the block's weight rows once
-// (mma_rows), sums the warps' tiles, and warp 0 hands every element of the tile to
-// store(at, row in the 16, the summed accumulators, tile, fragment element).
-template <int kMats, int kTiles, typename RowOf, typename Store>
-__device__ __forceinline__ void expert_passes(const __nv_bfloat16* const (&w)[kMats], int64_t n, int32_t count,
-                                              float* red, RowOf row_of, Store store) {
-  constexpr int kUnroll = kTiles <= 2 ? 4 : 2;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  for (int32_t j0 = 0; j0 < count; j0 += kTiles * 8) {
-    const int tiles = (count - j0 + 7) / 8 < kTiles ? (count - j0 + 7) / 8 : kTiles;
-    const __nv_bfloat16* arow[kTiles];
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j) {  // token g of tile j (past the last: the last again, not stored)
-      const int32_t at = j0 + j * 8 + lane / 4;
-      arow[j] = row_of(at < count ? at : count - 1);
-    }
-    float acc[kMats][kTiles][4] = {};
-    mma_rows<kMats, kTiles, kUnroll>(w, n, arow, tiles, n, warp, lane, acc);
-    if (!reduce_warps<kMats, kTiles>(acc, red, warp, lane)) continue;
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int32_t at = j0 + j * 8 + frag_col(lane, i);
-        if (at < count) store(at, frag_row(lane, i), acc, j, i);
-      }
-  }
+// Down rows [r0, r0 + 16) of expert e over its `count` slots: slot `at` reads h row h_row(at) and
+// writes the fp32 y row y_row(at) (+ the down bias).
+template <int kTiles, typename HRow, typename YRow>
+__device__ __forceinline__ void down_rows(const __nv_bfloat16* __restrict__ experts, const float* __restrict__ biases,
+                                          int e, int32_t count, int64_t r0, int64_t H, int64_t I, float* red,
+                                          HRow h_row, YRow y_row) {
+  const __nv_bfloat16* const w[1] = {experts + static_cast<int64_t>(e) * 3 * I * H + 2 * I * H + r0 * I};
+  const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) + 2 * I : nullptr;
+  expert_passes<1, kTiles>(w, I, count, red, h_row, [=](int32_t at, int r, const float (&acc)[1][kTiles][4], int j, int i) {
+    const int64_t row = r0 + r;
+    y_row(at)[row] = acc[0][j][i] + (bias ? bias[row] : 0.0f);
+  });
 }
 
 // grid (I / 16, used experts bound), block kSplit warps: gate and up rows [16 blockIdx.x, +16) of
-// expert used[1 + blockIdx.y], over all of its slots.
+// expert used[1 + blockIdx.y], over all of its slots (grouped by group_kernel).
 template <int kTiles>
 __global__ void __launch_bounds__(kSplit * kWarp)
     up_mma_kernel(const __nv_bfloat16* __restrict__ x, int64_t ldx, int64_t K,
@@ -479,18 +385,10 @@ __global__ void __launch_bounds__(kSplit * kWarp)
   __shared__ float red[(kSplit - 1) * 2 * kTiles * 4 * kWarp];
   if (static_cast<int32_t>(blockIdx.y) >= used[0]) return;  // no such used expert: nothing is read
   const int e = used[1 + blockIdx.y];
-  const int32_t first = offsets[e], count = offsets[e + 1] - first;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
-  const __nv_bfloat16* gate = experts + static_cast<int64_t>(e) * 3 * I * H + r0 * H;
-  const __nv_bfloat16* const w[2] = {gate, gate + I * H};
-  const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) : nullptr;
-  expert_passes<2, kTiles>(
-      w, H, count, red, [=](int32_t at) { return x + static_cast<int64_t>(order[first + at] / K) * ldx; },
-      [=](int32_t at, int r, const float (&acc)[2][kTiles][4], int j, int i) {
-        const int64_t row = r0 + r;
-        h[static_cast<int64_t>(first + at) * I + row] =
-            __float2bfloat16_rn(activate(acc[0][j][i], acc[1][j][i], bias, I, row, p));
-      });
+  const int32_t first = offsets[e];
+  up_rows<kTiles>(experts, biases, e, offsets[e + 1] - first, static_cast<int64_t>(blockIdx.x) * 16, H, I, p, red,
+                  [=](int32_t at) { return x + static_cast<int64_t>(order[first + at] / K) * ldx; },
+                  [=](int32_t at) { return h + static_cast<int64_t>(first + at) * I; });
 }
 
 // grid (H / 16, used experts bound), block kSplit warps: down rows [16 blockIdx.x, +16) of expert
@@ -503,16 +401,194 @@ __global__ void __launch_bounds__(kSplit * kWarp)
   __shared__ float red[(kSplit - 1) * kTiles * 4 * kWarp];
   if (static_cast<int32_t>(blockIdx.y) >= used[0]) return;
   const int e = used[1 + blockIdx.y];
-  const int32_t first = offsets[e], count = offsets[e + 1] - first;
+  const int32_t first = offsets[e];
+  down_rows<kTiles>(experts, biases, e, offsets[e + 1] - first, static_cast<int64_t>(blockIdx.x) * 16, H, I, red,
+                    [=](int32_t at) { return h + static_cast<int64_t>(first + at) * I; },
+                    [=](int32_t at) { return y + static_cast<int64_t>(first + at) * H; });
+}
+
+// ---- the fused pair: two launches instead of four (tensor cores, T K <= kFusedSlots) --------------
+//
+// Every block of both kernels finds its own expert, the blockIdx.y-th used one in id order, and
+// that expert's slots in slot order from ids and weights (find_expert: a bitmap of the used experts
+// and one ballot pass over the slots in shared memory), so there is no group kernel and no global
+// scan; h and y rows are indexed by slot (t K + k). The down kernel is a programmatic dependent
+// launch of the gate/up kernel (sm_90): its blocks find their expert and prefetch the start of their
+// weight rows into L2 while gate/up finishes, then wait for it (griddepcontrol.wait). The combine
+// runs in the down kernel: per row tile of 16 outputs, the block that finishes the tile last (a
+// counter per tile, zeroed by the gate/up kernel) sums each token's used slots of those rows in
+// (id, k) order in fp32, as combine_kernel does; the order of the sum never depends on which block
+// is last, so the result is deterministic.
+
+constexpr int kFusedSlots = 1024;            // the most T K slots a call on the fused pair has
+constexpr int kBitWords = static_cast<int>(kMaxMoeExperts) / 32;
+constexpr int64_t kPrefetchBytes = 32 << 10;  // of a down block's weight rows, before the wait
+static_assert(kBitWords <= kWarp, "find_expert scans the bitmap with one warp");
+
+struct BlockExpert {  // a fused block's grouping, in shared memory
+  uint32_t bits[kBitWords];   // the used experts
+  int32_t key[kFusedSlots];   // per slot: its expert when used, else -1
+  int32_t list[kFusedSlots];  // this block's expert's slots, ascending (the combine reuses it)
+  int32_t expert, count, used, bad;
+};
+
+// Block-wide: g.expert = the j-th used expert in id order (-1: fewer are used), g.used how many are,
+// g.list[0, g.count) its slots ascending, g.key every slot's expert (-1: unused), g.bad the slots
+// with ids outside [0, E].
+__device__ void find_expert(const int32_t* __restrict__ ids, const float* __restrict__ weights, bool round,
+                            int32_t slots, int32_t E, int32_t j, BlockExpert& g) {
+  const int tid = threadIdx.x, lane = tid % kWarp;
+  const int words = (E + 31) / 32;
+  for (int i = tid; i < words; i += blockDim.x) g.bits[i] = 0u;
+  if (tid == 0) g.bad = 0, g.expert = -1, g.count = 0;
+  __syncthreads();
+  for (int32_t s = tid; s < slots; s += blockDim.x) {
+    const int32_t id = ids[s];
+    int32_t key = -1;
+    if (id < 0 || id > E) atomicAdd(&g.bad, 1);
+    else if (id < E && slot_weight(weights, s, round) != 0.0f) key = id;
+    g.key[s] = key;
+    if (key >= 0) atomicOr(&g.bits[key / 32], 1u << (key % 32));
+  }
+  __syncthreads();
+  if (tid < kWarp) {  // warp 0: which word holds the j-th set bit, then which bit
+    const uint32_t word = lane < words ? g.bits[lane] : 0u;
+    const int32_t c = __popc(word), incl = warp_scan(c, lane), excl = incl - c;
+    if (lane == kWarp - 1) g.used = incl;
+    if (j >= excl && j < incl) {
+      uint32_t v = word;
+      for (int32_t i = excl; i < j; ++i) v &= v - 1u;  // drop the lower set bits
+      g.expert = lane * 32 + __ffs(static_cast<int>(v)) - 1;
+    }
+  }
+  __syncthreads();
+  if (g.expert < 0) return;  // (uniform over the block)
+  if (tid < kWarp) {  // warp 0: the expert's slots in slot order, 32 at a time
+    const int32_t e = g.expert;
+    int32_t n = 0;
+    for (int32_t c = 0; c < slots; c += kWarp) {
+      const int32_t s = c + lane;
+      const bool hit = s < slots && g.key[s] == e;
+      const unsigned ballot = __ballot_sync(kFullMask, hit);
+      if (hit) g.list[n + __popc(ballot & ((1u << lane) - 1u))] = s;
+      n += __popc(ballot);
+    }
+    if (lane == 0) g.count = n;
+  }
+  __syncthreads();
+}
+
+// Programmatic dependent launch (sm_90+; no-ops below, where the host launches the pair plainly).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+struct FusedParams {
+  const int32_t* ids;
+  const float* weights;
+  bool round;
+  int32_t slots, K, E;  // T K, K, E
+  int64_t T, H, I;
+};
+
+// grid (I / 16, used experts bound), block kSplit warps: gate and up rows [16 blockIdx.x, +16) of
+// the blockIdx.y-th used expert -> h [T K, I] by slot. Block (0, 0) zeroes the down kernel's tile
+// counters and writes the error word.
+template <int kTiles>
+__global__ void __launch_bounds__(kSplit * kWarp)
+    up_fused_kernel(FusedParams f, const __nv_bfloat16* __restrict__ x, int64_t ldx,
+                    const __nv_bfloat16* __restrict__ experts, const float* __restrict__ biases,
+                    __nv_bfloat16* __restrict__ h, int32_t* __restrict__ tiles_done, int32_t* __restrict__ errors,
+                    ActParams p) {
+  __shared__ float red[(kSplit - 1) * 2 * kTiles * 4 * kWarp];
+  __shared__ BlockExpert g;
+  const bool first_block = blockIdx.x == 0 && blockIdx.y == 0;
+  if (first_block)
+    for (int64_t i = threadIdx.x; i < f.H / 16; i += blockDim.x) tiles_done[i] = 0;
+  find_expert(f.ids, f.weights, f.round, f.slots, f.E, static_cast<int32_t>(blockIdx.y), g);
+  if (first_block && threadIdx.x == 0) errors[0] = g.bad;
+  launch_dependents();  // every block of this grid has started: the down blocks may take free SMs
+  if (g.expert < 0) return;
+  const int32_t* list = g.list;
+  const int64_t K = f.K;
+  up_rows<kTiles>(experts, biases, g.expert, g.count, static_cast<int64_t>(blockIdx.x) * 16, f.H, f.I, p, red,
+                  [=](int32_t at) { return x + static_cast<int64_t>(list[at] / K) * ldx; },
+                  [=](int32_t at) { return h + static_cast<int64_t>(list[at]) * f.I; });
+}
+
+// Rows [r0, r0 + 16) of out for every token: each token's used slots in (id, k) order, weighted,
+// summed in fp32 (the last block of a row tile; y written by the tile's other blocks).
+__device__ void combine_tile(const FusedParams& f, BlockExpert& g, const float* __restrict__ y,
+                             __nv_bfloat16* __restrict__ out, int64_t r0) {
+  int32_t* order = g.list;  // [T K]: per token its used slots by (id, k), then -1
+  for (int32_t s = threadIdx.x; s < f.slots; s += blockDim.x) order[s] = -1;
+  __syncthreads();
+  for (int32_t s = threadIdx.x; s < f.slots; s += blockDim.x) {
+    const int32_t key = g.key[s];
+    if (key < 0) continue;
+    const int32_t t = s / f.K, k = s % f.K;
+    int32_t rank = 0;
+    for (int32_t q = 0; q < f.K; ++q) {
+      const int32_t other = g.key[t * f.K + q];
+      rank += other >= 0 && (other < key || (other == key && q < k));
+    }
+    order[t * f.K + rank] = s;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < f.T * 16; i += blockDim.x) {
+    const int64_t t = i / 16, col = r0 + i % 16;
+    float acc = 0.0f;
+    for (int32_t q = 0; q < f.K; ++q) {
+      const int32_t s = order[t * f.K + q];
+      if (s < 0) break;
+      acc += slot_weight(f.weights, s, f.round) * __ldcg(y + static_cast<int64_t>(s) * f.H + col);
+    }
+    out[t * f.H + col] = __float2bfloat16_rn(acc);
+  }
+}
+
+// grid (H / 16, used experts bound), block kSplit warps: down rows [16 blockIdx.x, +16) of the
+// blockIdx.y-th used expert against the h rows of its slots -> y [T K, H] by slot; the tile's last
+// block then combines the tile's rows of out.
+template <int kTiles>
+__global__ void __launch_bounds__(kSplit * kWarp)
+    down_fused_kernel(FusedParams f, const __nv_bfloat16* __restrict__ experts, const float* __restrict__ biases,
+                      const __nv_bfloat16* __restrict__ h, float* __restrict__ y, int32_t* __restrict__ tiles_done,
+                      __nv_bfloat16* __restrict__ out) {
+  __shared__ float red[(kSplit - 1) * kTiles * 4 * kWarp];
+  __shared__ BlockExpert g;
+  __shared__ bool last;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
-  const __nv_bfloat16* const w[1] = {experts + static_cast<int64_t>(e) * 3 * I * H + 2 * I * H + r0 * I};
-  const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) + 2 * I : nullptr;
-  expert_passes<1, kTiles>(
-      w, I, count, red, [=](int32_t at) { return h + static_cast<int64_t>(first + at) * I; },
-      [=](int32_t at, int r, const float (&acc)[1][kTiles][4], int j, int i) {
-        const int64_t row = r0 + r;
-        y[static_cast<int64_t>(first + at) * H + row] = acc[0][j][i] + (bias ? bias[row] : 0.0f);
-      });
+  find_expert(f.ids, f.weights, f.round, f.slots, f.E, static_cast<int32_t>(blockIdx.y), g);
+  if (g.expert < 0) {
+    if (blockIdx.y == 0)  // no slot is used at all: the tile's outputs are 0
+      for (int64_t i = threadIdx.x; i < f.T * 16; i += blockDim.x) out[i / 16 * f.H + r0 + i % 16] = __float2bfloat16_rn(0.0f);
+    return;
+  }
+  const char* rows = reinterpret_cast<const char*>(experts + static_cast<int64_t>(g.expert) * 3 * f.I * f.H +
+                                                   2 * f.I * f.H + r0 * f.I);
+  const int64_t ahead = 32 * f.I < kPrefetchBytes ? 32 * f.I : kPrefetchBytes;  // (16 rows of 2-byte elements)
+  for (int64_t b = static_cast<int64_t>(threadIdx.x) * 128; b < ahead; b += static_cast<int64_t>(blockDim.x) * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + b));
+  wait_for_primary();  // h (and the zeroed counters) are complete from here on
+  const int32_t* list = g.list;
+  down_rows<kTiles>(experts, biases, g.expert, g.count, r0, f.H, f.I, red,
+                    [=](int32_t at) { return h + static_cast<int64_t>(list[at]) * f.I; },
+                    [=](int32_t at) { return y + static_cast<int64_t>(list[at]) * f.H; });
+  __threadfence();  // this block's y rows, visible before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&tiles_done[blockIdx.x], 1) == g.used - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  combine_tile(f, g, y, out, r0);
 }
 
 // ---- 4. combine ---------------------------------------------------------------------------------------
@@ -520,7 +596,7 @@ __global__ void __launch_bounds__(kSplit * kWarp)
 // blockDim.x >= K (kCombineThreads >= kMaxSlots). Thread k ranks slot k among the token's used
 // slots by (id, k) in one step (no serial chain of dependent loads), then the threads sum columns.
 template <typename W>
-__global__ void combine_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights,
+__global__ void combine_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, bool round,
                                const int32_t* __restrict__ pos, const float* __restrict__ y, W* __restrict__ out,
                                int64_t K, int64_t H) {
   __shared__ int32_t row[kMaxSlots];   // y row of the token's i-th used slot, by (id, k)
@@ -536,7 +612,7 @@ __global__ void combine_kernel(const int32_t* __restrict__ ids, const float* __r
     int32_t rank = 0;
     for (int j = 0; j < K; ++j) rank += key[j] >= 0 && (key[j] < key[k] || (key[j] == key[k] && j < k));
     row[rank] = pos[t * K + k];
-    weight[rank] = weights[t * K + k];
+    weight[rank] = slot_weight(weights, t * K + k, round);
     atomicAdd(&used, 1);
   }
   __syncthreads();
@@ -550,17 +626,57 @@ __global__ void combine_kernel(const int32_t* __restrict__ ids, const float* __r
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Whether the current device has bf16 mma.sync (sm_80+); asked once per device.
-bool device_has_bf16_mma() {
-  static int cached[64] = {};  // 0 unknown, 1 yes, 2 no
+// The current device's compute capability major (0 when unknown); asked once per device. sm_80+:
+// bf16 mma.sync; sm_90+: programmatic dependent launch.
+int device_major() {
+  static int cached[64] = {};  // 0: not asked yet
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
   if (cached[device] == 0) {
     int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cached[device] = major >= 8 ? 1 : 2;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) major = 0;
+    cached[device] = major > 0 ? major : -1;
   }
-  return cached[device] == 1;
+  return cached[device] > 0 ? cached[device] : 0;
+}
+
+// MOESPEC_MOE_FUSED: unset or "1" the fused pair where it fits (with programmatic dependent launch
+// on sm_90+), "nopdl" the fused pair launched plainly, "0" the four launches (to compare them).
+enum class Fused { kOff, kPlain, kPdl };
+Fused fused_mode() {
+  const char* env = std::getenv("MOESPEC_MOE_FUSED");
+  if (env == nullptr || std::strcmp(env, "1") == 0) return Fused::kPdl;
+  if (std::strcmp(env, "nopdl") == 0) return Fused::kPlain;
+  MOESPEC_CHECK_ARG(std::strcmp(env, "0") == 0, "MOESPEC_MOE_FUSED", "expected '1', 'nopdl' or '0', got '",
+                    std::string(env), "'");
+  return Fused::kOff;
+}
+
+template <int kTiles>
+void launch_fused(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bound, const ActParams& p, bool round,
+                  bool pdl, cudaStream_t stream) {
+  const int64_t T = a.x.shape[0], H = a.x.shape[1], K = a.ids.shape[1], I = a.intermediate_size;
+  const FusedParams f{a.ids.ptr<const int32_t>(), a.weights.ptr<const float>(), round,
+                      static_cast<int32_t>(T * K), static_cast<int32_t>(K), static_cast<int32_t>(a.experts.shape[0]),
+                      T, H, I};
+  const auto* experts = a.experts.ptr<const __nv_bfloat16>();
+  const float* biases = a.biases.defined() ? a.biases.ptr<const float>() : nullptr;
+  auto* h = static_cast<__nv_bfloat16*>(w.h);
+  up_fused_kernel<kTiles><<<dim3(static_cast<unsigned>(I / 16), used_bound), kSplit * kWarp, 0, stream>>>(
+      f, a.x.ptr<const __nv_bfloat16>(), a.x.strides[0], experts, biases, h, w.tiles, w.errors, p);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(H / 16), used_bound);
+  config.blockDim = dim3(kSplit * kWarp);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&config, down_fused_kernel<kTiles>, f, experts, biases,
+                                             static_cast<const __nv_bfloat16*>(h), w.y, w.tiles,
+                                             a.out.ptr<__nv_bfloat16>());
+  if (err != cudaSuccess) throw_runtime("moespec::cuda::moe_experts: launch failed: ", cudaGetErrorString(err));
 }
 
 template <int kTiles>
@@ -591,14 +707,30 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
   constexpr int kN = Pack<W>::kN;
   const bool vec = H % kN == 0 && I % kN == 0 && (T <= 1 || ldx % kN == 0) && aligned16(x) && aligned16(experts) &&
                    aligned16(h);
-  const unsigned group_threads = static_cast<unsigned>((E + kWarp - 1) / kWarp * kWarp);
-  group_kernel<<<1, group_threads, 0, stream>>>(ids, weights, T * K, static_cast<int32_t>(E), w.offsets, w.order,
-                                                w.pos, w.used, w.errors);
   const ActParams p{static_cast<int>(a.activation), a.limit, a.alpha};
+  const bool round = a.round_weights && std::is_same<W, __nv_bfloat16>::value;
+  const int major = device_major();
   const bool mma = std::is_same<W, __nv_bfloat16>::value && vec && H % kChunk == 0 && I % kChunk == 0 &&
-                   (T <= 1 || ldx % 8 == 0) && device_has_bf16_mma();
-  if (mma) {  // tokens per expert are at most T (distinct ids per token): n-tiles for that, more loop
-    const unsigned used_bound = static_cast<unsigned>(E < T * K ? E : T * K);
+                   (T <= 1 || ldx % 8 == 0) && major >= 8;
+  // tokens per expert are at most T (distinct ids per token): n-tiles for that, more loop
+  const unsigned used_bound = static_cast<unsigned>(E < T * K ? E : T * K);
+  const Fused mode = mma && T * K <= kFusedSlots ? fused_mode() : Fused::kOff;
+  if (mode != Fused::kOff) {
+    const bool pdl = mode == Fused::kPdl && major >= 9;
+    if (T <= 8)
+      launch_fused<1>(a, w, used_bound, p, round, pdl, stream);
+    else if (T <= 16)
+      launch_fused<2>(a, w, used_bound, p, round, pdl, stream);
+    else if (T <= 32)
+      launch_fused<4>(a, w, used_bound, p, round, pdl, stream);
+    else
+      launch_fused<kMaxTiles>(a, w, used_bound, p, round, pdl, stream);
+    return;
+  }
+  const unsigned group_threads = static_cast<unsigned>((E + kWarp - 1) / kWarp * kWarp);
+  group_kernel<<<1, group_threads, 0, stream>>>(ids, weights, round, T * K, static_cast<int32_t>(E), w.offsets,
+                                                w.order, w.pos, w.used, w.errors);
+  if (mma) {
     if (T <= 8)
       launch_mma<1>(a, w, used_bound, p, stream);
     else if (T <= 16)
@@ -620,7 +752,7 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
       down_kernel<W, false><<<down_grid, kWarps * kWarp, 0, stream>>>(experts, biases, w.offsets, h, w.y, H, I);
     }
   }
-  combine_kernel<W><<<static_cast<unsigned>(T), kCombineThreads, 0, stream>>>(ids, weights, w.pos, w.y,
+  combine_kernel<W><<<static_cast<unsigned>(T), kCombineThreads, 0, stream>>>(ids, weights, round, w.pos, w.y,
                                                                               a.out.ptr<W>(), K, H);
 }
 
@@ -628,10 +760,7 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
 
 std::size_t moe_experts_workspace_size(int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, DType dtype) {
   if (T < 0 || K < 0 || E < 1 || H < 1 || I < 1) return 0;
-  const std::size_t slots = static_cast<std::size_t>(T * K);
-  return 2 * align_up(sizeof(int32_t) * static_cast<std::size_t>(E + 1)) + 2 * align_up(sizeof(int32_t) * slots) +
-         align_up(sizeof(int32_t)) + align_up(dtype_size(dtype) * slots * static_cast<std::size_t>(I)) +
-         align_up(sizeof(float) * slots * static_cast<std::size_t>(H));
+  return carve(nullptr, T, K, E, H, I, dtype_size(dtype), nullptr);
 }
 
 void moe_experts(const MoeExpertsArgs& a, void* workspace, std::size_t workspace_bytes, void* stream) {
@@ -647,7 +776,8 @@ void moe_experts(const MoeExpertsArgs& a, void* workspace, std::size_t workspace
   MOESPEC_CHECK_ARG(workspace != nullptr && workspace_bytes >= need && aligned16(workspace), "workspace",
                     "needs ", need, " bytes (moe_experts_workspace_size), 16-byte aligned, got ", workspace_bytes);
   if (T == 0) return;
-  const Workspace w = carve(workspace, T, K, E, I, dtype_size(a.x.dtype));
+  Workspace w{};
+  carve(workspace, T, K, E, H, I, dtype_size(a.x.dtype), &w);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.x.dtype == DType::kBFloat16)
     launch<__nv_bfloat16>(a, w, s);

@@ -425,13 +425,17 @@ bool streaming_allowed() {
 int64_t group_slots(const MoeExpertsArgs& a, int64_t T, int64_t K, int64_t E, Workspace& ws) {
   const int32_t* ids = a.ids.ptr<const int32_t>();
   const float* weights = a.weights.ptr<const float>();
+  const bool round = a.round_weights && a.x.dtype == DType::kBFloat16;
+  const auto weight_of = [&](int64_t s) {  // the slot's weight as used (round_weights: rounded to bf16)
+    return round ? detail::bf16_to_float(detail::float_to_bf16(weights[s])) : weights[s];
+  };
   ws.offsets.assign(static_cast<std::size_t>(E + 1), 0);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t k = 0; k < K; ++k) {
       const int32_t id = ids[t * K + k];
       MOESPEC_CHECK_ARG(id >= 0 && id <= E, "ids", "ids[", t, ", ", k, "] = ", id, " is outside [0, ", E,
                         "] (E = ", E, " marks a dropped slot)");
-      if (id < E && weights[t * K + k] != 0.0f) ++ws.offsets[id + 1];
+      if (id < E && weight_of(t * K + k) != 0.0f) ++ws.offsets[id + 1];
     }
   }
   ws.active.clear();
@@ -446,7 +450,7 @@ int64_t group_slots(const MoeExpertsArgs& a, int64_t T, int64_t K, int64_t E, Wo
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t k = 0; k < K; ++k) {
       const int32_t id = ids[t * K + k];
-      const float w = weights[t * K + k];
+      const float w = weight_of(t * K + k);
       if (id == E || w == 0.0f) continue;
       const int64_t pos = ws.cursor[id]++;
       ws.use_token[pos] = static_cast<int32_t>(t);

@@ -3,7 +3,9 @@ tests/gpu/run.sh: per shape and T in {1, 4, 16, 64}, the active experts swept fr
 time per call (a CUDA graph of 20 calls, replayed), achieved bandwidth (expert bytes read / time)
 against a device-to-device copy measured in the same run (bytes read + written / time), the best
 torch path (torch._grouped_mm where this torch has it, else a per-expert loop of F.linear) and the
-linearity of time in active experts (R^2 of a least-squares line). Writes
+linearity of time in active experts (R^2 of a least-squares line). The kernel is timed on each of
+its launch sequences (MOESPEC_MOE_FUSED): the fused pair with programmatic dependent launch (the
+default, "us"), launched plainly ("plain_us") and the four launches ("four_us"). Writes
 $OUT/moe_experts_bench.json when OUT is set. Targets (issue "GPU runtime"): at T <= 16, >= 70% of
 the copy bandwidth, >= 1.5x the best torch path, R^2 >= 0.98.
 """
@@ -47,6 +49,20 @@ def routing(T: int, K: int, active: int, E: int):
     return ids.to(CUDA), torch.full((T, K), 1.0 / K, device=CUDA)
 
 
+def launches_seconds(setting: str, fn) -> float:
+    """graph_seconds of fn with MOESPEC_MOE_FUSED=setting (captured under it: the setting is read at
+    capture, when the kernels are launched)."""
+    saved = os.environ.get("MOESPEC_MOE_FUSED")
+    os.environ["MOESPEC_MOE_FUSED"] = setting
+    try:
+        return graph_seconds(fn, calls=CALLS)
+    finally:
+        if saved is None:
+            os.environ.pop("MOESPEC_MOE_FUSED")
+        else:
+            os.environ["MOESPEC_MOE_FUSED"] = saved
+
+
 def torch_loop(x, ids, weights, gate, up, down):
     out = torch.zeros_like(x, dtype=torch.float32)
     for e in torch.unique(ids).tolist():  # (a host sync: the torch path's cost, as users run it)
@@ -73,7 +89,8 @@ def main() -> int:
             times = []
             for active in sweep:
                 ids, weights = routing(T, K, active, E)
-                t = graph_seconds(lambda: moe_experts(x, ids, weights, experts, I), calls=CALLS)
+                call = lambda: moe_experts(x, ids, weights, experts, I)  # noqa: E731
+                t, plain, four = (launches_seconds(v, call) for v in ("1", "nopdl", "0"))
                 ref_ids, ref_w = ids, weights
                 torch.cuda.synchronize()
                 loop = event_seconds(lambda: torch_loop(x, ref_ids, ref_w, gate, up, down), 5)
@@ -86,10 +103,12 @@ def main() -> int:
                         grouped = False
                 bw = active * per_expert / t / 1e9
                 rows.append({"shape": name, "T": T, "active": active, "us": t * 1e6, "GBps": bw,
-                             "of_copy": bw / copy, "torch_us": best_torch * 1e6, "x_torch": best_torch / t})
+                             "of_copy": bw / copy, "torch_us": best_torch * 1e6, "x_torch": best_torch / t,
+                             "plain_us": plain * 1e6, "four_us": four * 1e6})
                 times.append((active, t))
                 print(f"{name:14s} T={T:3d} active={active:4d}: {t * 1e6:8.1f} us  {bw:7.0f} GB/s "
-                      f"({100 * bw / copy:5.1f}% of copy)  torch {best_torch * 1e6:8.1f} us ({best_torch / t:5.2f}x)")
+                      f"({100 * bw / copy:5.1f}% of copy)  torch {best_torch * 1e6:8.1f} us ({best_torch / t:5.2f}x)  "
+                      f"plain {plain * 1e6:7.1f} us  four launches {four * 1e6:7.1f} us")
             if len(times) >= 3:
                 a = torch.tensor([p[0] for p in times], dtype=torch.float64)
                 y = torch.tensor([p[1] for p in times], dtype=torch.float64)

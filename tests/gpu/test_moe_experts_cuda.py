@@ -6,8 +6,10 @@ within the CPU's own SIMD tolerances (cpp/include/moespec/moe_experts.h, "Precis
 1e-5 (fp32) / 4e-3 (bf16) of the output scale max |out|, plus for bf16 one bf16 ulp of the value.
 Also: the 16-byte path and the scalar fallback (H not a multiple of 8, a misaligned x), dropped
 (id E) and zero-weight slots, repeated ids, an unused expert full of NaN (never read), T = 0,
-determinism (two calls bit-identical) and a CUDA-graph replay equal to the eager call. Seeds are
-fixed so that a failure reproduces. Skipped without a CUDA device or a CUDA build.
+determinism (two calls bit-identical) and a CUDA-graph replay equal to the eager call. Every test
+runs on each launch sequence (MOESPEC_MOE_FUSED: the fused pair with programmatic dependent launch,
+the fused pair launched plainly, the four launches), and the fused pair gives the four launches'
+bits. Seeds are fixed so that a failure reproduces. Skipped without a CUDA device or a CUDA build.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from moespec.ops.reference import moe_experts_reference  # noqa: E402
 
 CUDA = torch.device("cuda")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
+LAUNCHES = {"fused": "1", "fused-plain": "nopdl", "four": "0"}  # MOESPEC_MOE_FUSED
+
+
+@pytest.fixture(autouse=True, params=list(LAUNCHES), ids=list(LAUNCHES))
+def launches(request, monkeypatch):
+    """Each test once per launch sequence of the kernel (read by the CUDA entry at every call)."""
+    monkeypatch.setenv("MOESPEC_MOE_FUSED", LAUNCHES[request.param])
+    return request.param
 
 
 def make(T, H, I, E, K, dtype, seed, *, drop=0.1, zero=0.1, repeats=False):
@@ -158,6 +168,37 @@ def test_routing_budget_and_experts_in_one_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("T,H,I,E,K", [(1, 256, 96, 128, 8), (7, 512, 64, 64, 8), (16, 2048, 768, 128, 8),
+                                       (40, 128, 64, 8, 2), (128, 64, 32, 256, 8), (129, 64, 32, 256, 8)])
+def test_fused_pair_gives_the_four_launches_bits(T, H, I, E, K, monkeypatch, launches):
+    """The fused pair runs the same tensor-core passes and sums each token's slots in the same (id, k)
+    order as the four launches: the same bits, with and without programmatic dependent launch, up to
+    T K = 1024 slots (T = 129 with K = 8 is past it: the four launches either way)."""
+    x, ids, weights, experts = (t.to(CUDA) for t in make(T, H, I, E, K, torch.bfloat16, seed=T + E))
+    got = moe_experts(x, ids, weights, experts, I)
+    monkeypatch.setenv("MOESPEC_MOE_FUSED", "0")
+    assert torch.equal(got, moe_experts(x, ids, weights, experts, I)), launches
+
+
+def test_round_weights_every_slot_dropped_and_a_bad_setting(monkeypatch):
+    """round_weights in the kernel equals the CPU op's (and the two casts it replaces); a batch whose
+    every slot is dropped gives zeros (no expert used: the fused pair's tiles have no last block);
+    MOESPEC_MOE_FUSED other than 1 / nopdl / 0 is a clear error."""
+    T, H, I, E, K = 12, 256, 64, 16, 4
+    x, ids, weights, experts = make(T, H, I, E, K, torch.bfloat16, seed=9, drop=0.0, zero=0.0)
+    weights = weights + 1e-3 * torch.rand(T, K, generator=torch.Generator().manual_seed(1))
+    want = moe_experts(x, ids, weights, experts, I, round_weights=True)
+    args = [t.to(CUDA) for t in (x, ids, weights, experts)]
+    got = moe_experts(*args, I, round_weights=True)
+    assert_close(got, want, torch.bfloat16, "round_weights")
+    assert torch.equal(got, moe_experts(args[0], args[1], args[2].to(torch.bfloat16).float(), args[3], I))
+    dropped = torch.full_like(args[1], E)
+    assert torch.equal(moe_experts(args[0], dropped, args[2], args[3], I), torch.zeros_like(args[0]))
+    monkeypatch.setenv("MOESPEC_MOE_FUSED", "yes")
+    with pytest.raises(ValueError, match="MOESPEC_MOE_FUSED"):
+        moe_experts(*args, I)
 
 
 def test_prefill_takes_the_grouped_gemm_and_matches_the_reference():

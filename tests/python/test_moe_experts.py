@@ -104,6 +104,30 @@ def test_tokens_with_every_slot_dropped_get_zero():
     assert torch.all(grouped[1] == 0) and torch.any(grouped[0] != 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_weights_equals_the_callers_two_casts(dtype):
+    """round_weights=True rounds each weight to x's dtype inside the kernel: the same bits as the
+    runtime's former `weights.to(x.dtype).float()` (no effect on fp32); in bf16 a weight that rounds
+    to 0 is a zero-weight slot, so its NaN expert is never read."""
+    T, E, H, I, K = 9, 6, 64, 32, 3
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    experts = (torch.randn(E, 3 * I * H, generator=g) / H**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    weights = torch.rand(T, K, generator=g) + 1e-3 * torch.rand(T, K, generator=g)  # not bf16 numbers
+    if dtype == torch.bfloat16:
+        ids[0, 0], weights[0, 0] = E - 1, 1e-45  # the smallest fp32 subnormal: 0 in bf16
+        experts[E - 1] = float("nan")
+    got = moe_experts(x, ids, weights, experts, I, round_weights=True)
+    cast = weights.to(dtype).float()
+    assert torch.equal(got, moe_experts(x, ids, cast, experts, I))
+    if dtype == torch.float32:
+        assert torch.equal(got, moe_experts(x, ids, weights, experts, I))
+    else:
+        assert bool(torch.isfinite(got).all()) and not torch.equal(cast, weights)
+        assert bool(torch.isnan(moe_experts(x, ids, weights, experts, I)[0]).all())  # unrounded: read
+
+
 def test_results_do_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(0)
     E, H, I, T = 8, 96, 40, 33
@@ -181,7 +205,7 @@ def test_scratch_above_the_retain_limit_is_released_after_the_call():
 def test_custom_op_passes_opcheck():
     E, H, I = 4, 16, 8
     args = (torch.randn(5, H), torch.randint(0, E + 1, (5, 2), dtype=torch.int32), torch.rand(5, 2),
-            torch.randn(E, 3 * I * H), None, I, 0, 7.0, 1.702)
+            torch.randn(E, 3 * I * H), None, I, 0, 7.0, 1.702, False)
     torch.library.opcheck(moe_experts_op, args)
 
 

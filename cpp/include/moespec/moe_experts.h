@@ -57,6 +57,10 @@ struct MoeExpertsArgs {
   ExpertActivation activation = ExpertActivation::kSwiGLU;
   float limit = 7.0f;    // GptOss clamp
   float alpha = 1.702f;  // GptOss sigmoid slope
+  // Each routing weight rounded to x's dtype before use (the families whose router rounds its
+  // weights to the model dtype: Qwen3-MoE, OLMoE, GPT-OSS), so the caller needs no cast of its own;
+  // a weight that rounds to 0 counts as a zero-weight slot. No effect with fp32 x.
+  bool round_weights = false;
 };
 
 // Validates shapes, dtypes, devices and scalars; throws Error(kInvalidArgument) naming the argument.

@@ -93,12 +93,11 @@ def moe_forward(
     if impl == "reference" or not _kernel_runs_on(x.device):
         out = experts_reference(x, routing, layer, moe)
     else:
-        weights = routing.weights
-        if moe.weights_in_model_dtype and x.dtype != weights.dtype:
-            weights = weights.to(x.dtype).float()  # rounded as the family's router rounds them
         biases = layer.expert_biases.float() if layer.expert_biases is not None else None
-        out = moe_experts(x, routing.ids, weights, layer.experts, moe.intermediate_size, activation=moe.activation,
-                          biases=biases, limit=moe.swiglu_limit, alpha=moe.swiglu_alpha)
+        # (round_weights: rounded to the model dtype as the family's router rounds them, in the kernel)
+        out = moe_experts(x, routing.ids, routing.weights, layer.experts, moe.intermediate_size,
+                          activation=moe.activation, biases=biases, limit=moe.swiglu_limit, alpha=moe.swiglu_alpha,
+                          round_weights=moe.weights_in_model_dtype)
     if layer.shared_down is not None:
         out = out + shared_expert(x, layer)
     return out, routing.stats_tensor

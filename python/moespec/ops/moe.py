@@ -61,7 +61,7 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
 
 def _moe_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                       biases: Optional[torch.Tensor], intermediate_size: int, activation: int, limit: float,
-                      alpha: float) -> torch.Tensor:
+                      alpha: float, round_weights: bool) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-d tensor [T, H], got shape {tuple(x.shape)}")
     if x.shape[0] == 0:  # no tokens: any strides (numpy's empty arrays have 0 strides) are fine
@@ -72,6 +72,8 @@ def _moe_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         grouped_min = int(os.environ.get("MOESPEC_GROUPED_MIN_TOKENS", GROUPED_MIN_TOKENS))
         if (0 < grouped_min <= x.shape[0] and x.dtype == torch.bfloat16 and activation == 0 and biases is None
                 and ids.dim() == 2 and grouped_fits(x.shape[1], intermediate_size)):
+            if round_weights:
+                weights = weights.to(x.dtype).float()
             return moe_experts_grouped(x, ids, weights, experts, intermediate_size)
         require_cuda()
         nbytes = native().moe_experts_workspace_size(x.shape[0], ids.shape[-1] if ids.dim() == 2 else 0,
@@ -83,20 +85,21 @@ def _moe_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"x: moe_experts runs on the CPU or CUDA, got {x.device}")
     native().moe_experts(view(x, "x"), view(ids, "ids"), view(weights, "weights"), view(experts, "experts"),
                          view(biases, "biases"), view(out, "out"), intermediate_size, activation, limit, alpha,
-                         view(workspace, "workspace"), stream)
+                         round_weights, view(workspace, "workspace"), stream)
     return out
 
 
 @torch.library.custom_op("moespec::moe_experts", mutates_args=())
 def moe_experts_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                    biases: Optional[torch.Tensor], intermediate_size: int, activation: int, limit: float,
-                   alpha: float) -> torch.Tensor:
+                   alpha: float, round_weights: bool) -> torch.Tensor:
     """The torch custom op ``moespec::moe_experts`` (flat arguments; see :func:`moe_experts`)."""
-    return _moe_experts_impl(x, ids, weights, experts, biases, intermediate_size, activation, limit, alpha)
+    return _moe_experts_impl(x, ids, weights, experts, biases, intermediate_size, activation, limit, alpha,
+                             round_weights)
 
 
 @moe_experts_op.register_fake
-def _moe_experts_fake(x, ids, weights, experts, biases, intermediate_size, activation, limit, alpha):
+def _moe_experts_fake(x, ids, weights, experts, biases, intermediate_size, activation, limit, alpha, round_weights):
     return torch.empty_like(x)
 
 
@@ -111,6 +114,7 @@ def moe_experts(
     biases: Optional[torch.Tensor] = None,
     limit: float = 7.0,
     alpha: float = 1.702,
+    round_weights: bool = False,
 ) -> torch.Tensor:
     """Runs the routed experts of an MoE layer, reading each active expert's weights once.
 
@@ -127,6 +131,10 @@ def moe_experts(
     activation : {"swiglu", "gpt_oss"}
         ``gpt_oss`` clamps gate and up to ``limit`` and uses ``(u + 1) * g * sigmoid(alpha * g)``,
         with ``biases`` [E, 2 I + H] float32 (gate, up, down biases of each expert).
+    round_weights : bool
+        Round each routing weight to x's dtype before use (as the router of Qwen3-MoE, OLMoE and
+        GPT-OSS rounds its weights; a weight that rounds to 0 counts as a zero-weight slot), in the
+        kernel: the same result as passing ``weights.to(x.dtype).float()``, without those two casts.
 
     Returns
     -------
@@ -145,7 +153,7 @@ def moe_experts(
     if activation not in _ACTIVATION_CODES:
         raise ValueError(f"activation: expected 'swiglu' or 'gpt_oss', got {activation!r}")
     args = (x, ids, weights, experts, biases, int(intermediate_size), _ACTIVATION_CODES[activation], float(limit),
-            float(alpha))
+            float(alpha), bool(round_weights))
     impl = moe_experts_op if torch.compiler.is_compiling() else _moe_experts_impl
     return impl(*args)
 
