@@ -1,8 +1,16 @@
-// What moespec's CUDA kernels share: warp constants, fp32 / bf16 element conversions and the warp
-// sum (moe_experts.cu, decoder_ops.cu).
+// What moespec's CUDA kernels share: warp constants, fp32 / bf16 element conversions, the warp
+// sum (moe_experts.cu, decoder_ops.cu), and programmatic dependent launch (every .cu).
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "moespec/error.h"
 
 namespace moespec {
 namespace cuda {
@@ -26,6 +34,70 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// ---- programmatic dependent launch (sm_90+; no-ops below) ---------------------------------------
+// A kernel launched by launch_kernel with pdl may start while the kernel before it on the stream is
+// still running (once every block of that one has called launch_dependents). The rule that keeps
+// this safe, kept by every such kernel: each block calls wait_for_primary() before its first global
+// memory access that depends on earlier work (reads its outputs, or writes what it may still read)
+// and before it exits, so that a kernel's completion implies its primary's, transitively. Before the
+// wait a block may only read what was complete before its primary started (the moe down kernel's
+// ids, weights and weight prefetch).
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel on the stream (if launched with pdl) be scheduled once every block of this
+// one has called it; its blocks then wait (wait_for_primary) for this kernel's completion.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 }  // namespace device
+
+// The current device's compute capability major (0 when unknown); asked once per device. sm_80+:
+// bf16 mma.sync; sm_90+: programmatic dependent launch.
+inline int device_major() {
+  static int cached[64] = {};  // 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  if (cached[device] == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) major = 0;
+    cached[device] = major > 0 ? major : -1;
+  }
+  return cached[device] > 0 ? cached[device] : 0;
+}
+
+// Whether kernels are launched as programmatic dependents: the device is sm_90+ and MOESPEC_PDL is
+// unset or "1" ("0": plain launches, to compare; anything else is an error naming the variable).
+inline bool pdl_allowed() {
+  const char* env = std::getenv("MOESPEC_PDL");
+  if (env != nullptr && std::strcmp(env, "1") != 0) {
+    MOESPEC_CHECK_ARG(std::strcmp(env, "0") == 0, "MOESPEC_PDL", "expected '1' or '0', got '", std::string(env), "'");
+    return false;
+  }
+  return device_major() >= 9;
+}
+
+// kernel<<<grid, block, shared, stream>>>(args...), as a programmatic dependent launch when pdl.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared,
+                          cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
 }  // namespace cuda
 }  // namespace moespec

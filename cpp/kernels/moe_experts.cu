@@ -478,18 +478,6 @@ __device__ void find_expert(const int32_t* __restrict__ ids, const float* __rest
   __syncthreads();
 }
 
-// Programmatic dependent launch (sm_90+; no-ops below, where the host launches the pair plainly).
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-__device__ __forceinline__ void wait_for_primary() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 struct FusedParams {
   const int32_t* ids;
   const float* weights;
@@ -509,6 +497,7 @@ __global__ void __launch_bounds__(kSplit * kWarp)
                     ActParams p) {
   __shared__ float red[(kSplit - 1) * 2 * kTiles * 4 * kWarp];
   __shared__ BlockExpert g;
+  wait_for_primary();  // (a programmatic dependent of the routing kernel: nothing is read before)
   const bool first_block = blockIdx.x == 0 && blockIdx.y == 0;
   if (first_block)
     for (int64_t i = threadIdx.x; i < f.H / 16; i += blockDim.x) tiles_done[i] = 0;
@@ -568,6 +557,7 @@ __global__ void __launch_bounds__(kSplit * kWarp)
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
   find_expert(f.ids, f.weights, f.round, f.slots, f.E, static_cast<int32_t>(blockIdx.y), g);
   if (g.expert < 0) {
+    wait_for_primary();  // (no block exits before its primary is complete: device_common.cuh)
     if (blockIdx.y == 0)  // no slot is used at all: the tile's outputs are 0
       for (int64_t i = threadIdx.x; i < f.T * 16; i += blockDim.x) out[i / 16 * f.H + r0 + i % 16] = __float2bfloat16_rn(0.0f);
     return;
@@ -626,30 +616,13 @@ __global__ void combine_kernel(const int32_t* __restrict__ ids, const float* __r
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The current device's compute capability major (0 when unknown); asked once per device. sm_80+:
-// bf16 mma.sync; sm_90+: programmatic dependent launch.
-int device_major() {
-  static int cached[64] = {};  // 0: not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  if (cached[device] == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) major = 0;
-    cached[device] = major > 0 ? major : -1;
-  }
-  return cached[device] > 0 ? cached[device] : 0;
-}
-
-// MOESPEC_MOE_FUSED: unset or "1" the fused pair where it fits (with programmatic dependent launch
-// on sm_90+), "nopdl" the fused pair launched plainly, "0" the four launches (to compare them).
-enum class Fused { kOff, kPlain, kPdl };
-Fused fused_mode() {
+// MOESPEC_MOE_FUSED: unset or "1" the fused pair where it fits, "0" the four launches (to compare).
+bool fused_allowed() {
   const char* env = std::getenv("MOESPEC_MOE_FUSED");
-  if (env == nullptr || std::strcmp(env, "1") == 0) return Fused::kPdl;
-  if (std::strcmp(env, "nopdl") == 0) return Fused::kPlain;
-  MOESPEC_CHECK_ARG(std::strcmp(env, "0") == 0, "MOESPEC_MOE_FUSED", "expected '1', 'nopdl' or '0', got '",
-                    std::string(env), "'");
-  return Fused::kOff;
+  if (env == nullptr || std::strcmp(env, "1") == 0) return true;
+  MOESPEC_CHECK_ARG(std::strcmp(env, "0") == 0, "MOESPEC_MOE_FUSED", "expected '1' or '0', got '", std::string(env),
+                    "'");
+  return false;
 }
 
 template <int kTiles>
@@ -662,20 +635,14 @@ void launch_fused(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bou
   const auto* experts = a.experts.ptr<const __nv_bfloat16>();
   const float* biases = a.biases.defined() ? a.biases.ptr<const float>() : nullptr;
   auto* h = static_cast<__nv_bfloat16*>(w.h);
-  up_fused_kernel<kTiles><<<dim3(static_cast<unsigned>(I / 16), used_bound), kSplit * kWarp, 0, stream>>>(
-      f, a.x.ptr<const __nv_bfloat16>(), a.x.strides[0], experts, biases, h, w.tiles, w.errors, p);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(H / 16), used_bound);
-  config.blockDim = dim3(kSplit * kWarp);
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&config, down_fused_kernel<kTiles>, f, experts, biases,
-                                             static_cast<const __nv_bfloat16*>(h), w.y, w.tiles,
-                                             a.out.ptr<__nv_bfloat16>());
+  const dim3 block(kSplit * kWarp);
+  cudaError_t err = launch_kernel(pdl, up_fused_kernel<kTiles>, dim3(static_cast<unsigned>(I / 16), used_bound), block,
+                                  0, stream, f, a.x.ptr<const __nv_bfloat16>(), a.x.strides[0], experts, biases, h,
+                                  w.tiles, w.errors, p);
+  if (err == cudaSuccess)
+    err = launch_kernel(pdl, down_fused_kernel<kTiles>, dim3(static_cast<unsigned>(H / 16), used_bound), block, 0,
+                        stream, f, experts, biases, static_cast<const __nv_bfloat16*>(h), w.y, w.tiles,
+                        a.out.ptr<__nv_bfloat16>());
   if (err != cudaSuccess) throw_runtime("moespec::cuda::moe_experts: launch failed: ", cudaGetErrorString(err));
 }
 
@@ -714,9 +681,8 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
                    (T <= 1 || ldx % 8 == 0) && major >= 8;
   // tokens per expert are at most T (distinct ids per token): n-tiles for that, more loop
   const unsigned used_bound = static_cast<unsigned>(E < T * K ? E : T * K);
-  const Fused mode = mma && T * K <= kFusedSlots ? fused_mode() : Fused::kOff;
-  if (mode != Fused::kOff) {
-    const bool pdl = mode == Fused::kPdl && major >= 9;
+  if (mma && T * K <= kFusedSlots && fused_allowed()) {
+    const bool pdl = pdl_allowed();
     if (T <= 8)
       launch_fused<1>(a, w, used_bound, p, round, pdl, stream);
     else if (T <= 16)

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "device_common.cuh"
 #include "moespec/detail/route_math.h"
 #include "moespec/error.h"
 #include "moespec/route_experts.h"
@@ -663,6 +664,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_route_kernel(Params p) {
   __shared__ float s_y[kFusedWarps][kFusedMaxExperts];
   __shared__ float s_group[kFusedWarps][kFusedMaxExperts / 2];  // group scores; then final ids, weights
   __shared__ BudgetShared<kFusedMaxExperts> sh;
+  device::wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
+  device::launch_dependents();
   const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
   for (int64_t t = warp; t < p.T; t += kFusedWarps) {
     natural_route_token(p, t, s_x[warp], s_y[warp], s_group[warp], lane);
@@ -781,8 +784,8 @@ void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t wo
   DeviceGuard guard(args.router_logits.device_index);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (T <= kFusedMaxTokens && N <= kFusedMaxExperts && fused_allowed()) {
-    fused_route_kernel<<<1, kFusedThreads, 0, s>>>(p);
-    check_cuda(cudaGetLastError(), "launching fused_route_kernel");
+    check_cuda(launch_kernel(pdl_allowed(), fused_route_kernel, dim3(1), dim3(kFusedThreads), 0, s, p),
+               "launching fused_route_kernel");
     return;
   }
   const unsigned token_blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);

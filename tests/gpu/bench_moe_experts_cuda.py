@@ -4,8 +4,8 @@ time per call (a CUDA graph of 20 calls, replayed), achieved bandwidth (expert b
 against a device-to-device copy measured in the same run (bytes read + written / time), the best
 torch path (torch._grouped_mm where this torch has it, else a per-expert loop of F.linear) and the
 linearity of time in active experts (R^2 of a least-squares line). The kernel is timed on each of
-its launch sequences (MOESPEC_MOE_FUSED): the fused pair with programmatic dependent launch (the
-default, "us"), launched plainly ("plain_us") and the four launches ("four_us"). Writes
+its launch sequences: the fused pair with programmatic dependent launch (the default, "us"), launched
+plainly (MOESPEC_PDL=0, "plain_us") and the four launches (MOESPEC_MOE_FUSED=0, "four_us"). Writes
 $OUT/moe_experts_bench.json when OUT is set. Targets (issue "GPU runtime"): at T <= 16, >= 70% of
 the copy bandwidth, >= 1.5x the best torch path, R^2 >= 0.98.
 """
@@ -49,18 +49,19 @@ def routing(T: int, K: int, active: int, E: int):
     return ids.to(CUDA), torch.full((T, K), 1.0 / K, device=CUDA)
 
 
-def launches_seconds(setting: str, fn) -> float:
-    """graph_seconds of fn with MOESPEC_MOE_FUSED=setting (captured under it: the setting is read at
-    capture, when the kernels are launched)."""
-    saved = os.environ.get("MOESPEC_MOE_FUSED")
-    os.environ["MOESPEC_MOE_FUSED"] = setting
+def launches_seconds(fused: str, pdl: str, fn) -> float:
+    """graph_seconds of fn with MOESPEC_MOE_FUSED=fused and MOESPEC_PDL=pdl (captured under them: they
+    are read at capture, when the kernels are launched)."""
+    saved = {name: os.environ.get(name) for name in ("MOESPEC_MOE_FUSED", "MOESPEC_PDL")}
+    os.environ.update({"MOESPEC_MOE_FUSED": fused, "MOESPEC_PDL": pdl})
     try:
         return graph_seconds(fn, calls=CALLS)
     finally:
-        if saved is None:
-            os.environ.pop("MOESPEC_MOE_FUSED")
-        else:
-            os.environ["MOESPEC_MOE_FUSED"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def torch_loop(x, ids, weights, gate, up, down):
@@ -90,7 +91,7 @@ def main() -> int:
             for active in sweep:
                 ids, weights = routing(T, K, active, E)
                 call = lambda: moe_experts(x, ids, weights, experts, I)  # noqa: E731
-                t, plain, four = (launches_seconds(v, call) for v in ("1", "nopdl", "0"))
+                t, plain, four = (launches_seconds(f, d, call) for f, d in (("1", "1"), ("1", "0"), ("0", "1")))
                 ref_ids, ref_w = ids, weights
                 torch.cuda.synchronize()
                 loop = event_seconds(lambda: torch_loop(x, ref_ids, ref_w, gate, up, down), 5)

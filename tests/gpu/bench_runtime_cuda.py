@@ -10,8 +10,10 @@ level's top-k copied to the host), and a greedy eagle3 step's parts (draft, veri
 catch-up). Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
 runtime"): within 15% of the roofline at T <= 16, with CUDA graphs (the "graphs" backend,
 moespec.runtime.graphs); each row times the eager reference backend and the graphs backend, the
-latter with its default forward (moespec.runtime.fused: the decoder ops' kernels) and with the
-reference forward on static buffers (MOESPEC_FUSED_STEP=0).
+latter with its default forward (moespec.runtime.fused: the decoder ops' kernels), with the
+reference forward on static buffers (MOESPEC_FUSED_STEP=0), with every kernel launched plainly instead
+of as a programmatic dependent (MOESPEC_PDL=0) and with the MoE kernel's four launches instead of the
+fused pair (MOESPEC_MOE_FUSED=0).
 """
 
 from __future__ import annotations
@@ -207,20 +209,30 @@ def main() -> int:
             m.backend_name = "reference"
             t = event_seconds(step)
             kept = float(stats["kept"])
-            os.environ["MOESPEC_FUSED_STEP"] = "0"  # graphs of the reference forward (read when the backend is made)
-            m.backend_name = "graphs"
-            t_unfused = event_seconds(step)
-            del os.environ["MOESPEC_FUSED_STEP"]
+            def graphs_with(**env):  # graphs made and captured under these settings, then the defaults again
+                os.environ.update(env)
+                try:
+                    m.backend_name = "graphs"
+                    return event_seconds(step)
+                finally:
+                    for name in env:
+                        del os.environ[name]
+
+            t_unfused = graphs_with(MOESPEC_FUSED_STEP="0")  # graphs of the reference forward
+            t_no_pdl = graphs_with(MOESPEC_PDL="0")  # every kernel launched plainly
+            t_moe_four = graphs_with(MOESPEC_MOE_FUSED="0")  # the MoE kernel's four launches
             m.backend_name = "graphs"  # graphs of the fused forward (moespec.runtime.fused): the default
             assert m.backend.fused is not None
             t_graph = event_seconds(step)
             host = host_seconds(step)
             roof = (dense + LAYERS * kept * expert_bytes) / (copy * 1e9)
             rows.append({"T": T, "budget": B, "ms": t * 1e3, "graphs_ms": t_graph * 1e3, "graphs_host_ms": host * 1e3,
-                         "graphs_reference_forward_ms": t_unfused * 1e3, "unique": kept, "roofline_ms": roof * 1e3,
+                         "graphs_reference_forward_ms": t_unfused * 1e3, "graphs_no_pdl_ms": t_no_pdl * 1e3,
+                         "graphs_moe_four_launches_ms": t_moe_four * 1e3, "unique": kept, "roofline_ms": roof * 1e3,
                          "x_roofline": t / roof, "graphs_x_roofline": t_graph / roof})
             print(f"T={T:3d} budget={str(B):>4s}: eager {t * 1e3:7.3f} ms, graphs {t_graph * 1e3:7.3f} ms "
-                  f"(reference forward {t_unfused * 1e3:7.3f} ms; host {host * 1e3:6.3f} ms a call), "
+                  f"(reference forward {t_unfused * 1e3:7.3f}, no PDL {t_no_pdl * 1e3:7.3f}, MoE in four launches "
+                  f"{t_moe_four * 1e3:7.3f} ms; host {host * 1e3:6.3f} ms a call), "
                   f"{kept:6.1f} experts/layer, roofline {roof * 1e3:6.3f} ms (graphs {t_graph / roof:5.2f}x)")
     x = torch.randn(16, H, device=CUDA).to(torch.bfloat16)
     router = m.weights.layers[0].router

@@ -7,9 +7,9 @@ within the CPU's own SIMD tolerances (cpp/include/moespec/moe_experts.h, "Precis
 Also: the 16-byte path and the scalar fallback (H not a multiple of 8, a misaligned x), dropped
 (id E) and zero-weight slots, repeated ids, an unused expert full of NaN (never read), T = 0,
 determinism (two calls bit-identical) and a CUDA-graph replay equal to the eager call. Every test
-runs on each launch sequence (MOESPEC_MOE_FUSED: the fused pair with programmatic dependent launch,
-the fused pair launched plainly, the four launches), and the fused pair gives the four launches'
-bits. Seeds are fixed so that a failure reproduces. Skipped without a CUDA device or a CUDA build.
+runs on each launch sequence (the fused pair with programmatic dependent launch, the fused pair
+launched plainly (MOESPEC_PDL=0), the four launches (MOESPEC_MOE_FUSED=0)), and the fused pair gives
+the four launches' bits. Seeds are fixed so that a failure reproduces. Skipped without a CUDA device or a CUDA build.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from moespec.ops.reference import moe_experts_reference  # noqa: E402
 
 CUDA = torch.device("cuda")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
-LAUNCHES = {"fused": "1", "fused-plain": "nopdl", "four": "0"}  # MOESPEC_MOE_FUSED
+LAUNCHES = {"fused": ("1", "1"), "fused-plain": ("1", "0"), "four": ("0", "1")}  # MOESPEC_MOE_FUSED, MOESPEC_PDL
 
 
 @pytest.fixture(autouse=True, params=list(LAUNCHES), ids=list(LAUNCHES))
 def launches(request, monkeypatch):
     """Each test once per launch sequence of the kernel (read by the CUDA entry at every call)."""
-    monkeypatch.setenv("MOESPEC_MOE_FUSED", LAUNCHES[request.param])
+    fused, pdl = LAUNCHES[request.param]
+    monkeypatch.setenv("MOESPEC_MOE_FUSED", fused)
+    monkeypatch.setenv("MOESPEC_PDL", pdl)
     return request.param
 
 
@@ -185,7 +187,7 @@ def test_fused_pair_gives_the_four_launches_bits(T, H, I, E, K, monkeypatch, lau
 def test_round_weights_every_slot_dropped_and_a_bad_setting(monkeypatch):
     """round_weights in the kernel equals the CPU op's (and the two casts it replaces); a batch whose
     every slot is dropped gives zeros (no expert used: the fused pair's tiles have no last block);
-    MOESPEC_MOE_FUSED other than 1 / nopdl / 0 is a clear error."""
+    MOESPEC_MOE_FUSED or MOESPEC_PDL other than 1 / 0 is a clear error."""
     T, H, I, E, K = 12, 256, 64, 16, 4
     x, ids, weights, experts = make(T, H, I, E, K, torch.bfloat16, seed=9, drop=0.0, zero=0.0)
     weights = weights + 1e-3 * torch.rand(T, K, generator=torch.Generator().manual_seed(1))
@@ -196,9 +198,12 @@ def test_round_weights_every_slot_dropped_and_a_bad_setting(monkeypatch):
     assert torch.equal(got, moe_experts(args[0], args[1], args[2].to(torch.bfloat16).float(), args[3], I))
     dropped = torch.full_like(args[1], E)
     assert torch.equal(moe_experts(args[0], dropped, args[2], args[3], I), torch.zeros_like(args[0]))
-    monkeypatch.setenv("MOESPEC_MOE_FUSED", "yes")
-    with pytest.raises(ValueError, match="MOESPEC_MOE_FUSED"):
-        moe_experts(*args, I)
+    for name in ("MOESPEC_MOE_FUSED", "MOESPEC_PDL"):
+        monkeypatch.setenv("MOESPEC_MOE_FUSED", "1")
+        monkeypatch.setenv("MOESPEC_PDL", "1")
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(ValueError, match=name):
+            moe_experts(*args, I)
 
 
 def test_prefill_takes_the_grouped_gemm_and_matches_the_reference():

@@ -95,16 +95,19 @@ def test_greedy_speculation_on_cuda_equals_greedy_ar(folder, tmp_path):
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want, policy
 
 
-@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused-forward", "reference-forward"])
-def test_graph_replay_equals_eager(folder, fused, monkeypatch):
+@pytest.mark.parametrize("fused,pdl", [("1", "1"), ("1", "0"), ("0", "1")],
+                         ids=["fused-forward", "fused-forward-no-pdl", "reference-forward"])
+def test_graph_replay_equals_eager(folder, fused, pdl, monkeypatch):
     """The "graphs" backend on CUDA: decode and budgeted tree-verify steps captured once per bucket,
     then replayed with new inputs, give the eager reference backend's logits and expert stats; greedy
     eagle3 through graphs equals greedy ar. Both forwards of the steps: moespec.runtime.fused (the
-    decoder ops' kernels) and the reference forward on static buffers (MOESPEC_FUSED_STEP=0)."""
+    decoder ops' kernels, launched as programmatic dependents or, MOESPEC_PDL=0, plainly) and the
+    reference forward on static buffers (MOESPEC_FUSED_STEP=0)."""
     from moespec import SpeculativeConfig
     from moespec.spec.train import new_head
 
     monkeypatch.setenv("MOESPEC_FUSED_STEP", fused)
+    monkeypatch.setenv("MOESPEC_PDL", pdl)
     eager = mm.load(folder, "fp32", device="cuda")
     graphs = mm.load(folder, "fp32", device="cuda")
     graphs.backend_name = "graphs"
