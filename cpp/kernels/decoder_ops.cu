@@ -368,7 +368,7 @@ int tree_chunk(int64_t D, DType dtype) {  // slots staged at a time: two padded 
   return D * static_cast<int64_t>(dtype_size(dtype)) / 4 > 64 ? 32 : 64;
 }
 
-void check_launch(const char* op, cudaError_t err = cudaGetLastError()) {
+void check_launch(const char* op, cudaError_t err) {
   if (err != cudaSuccess) throw_runtime("moespec::cuda::", op, ": launch failed: ", cudaGetErrorString(err));
 }
 
@@ -428,15 +428,13 @@ void launch_tree_attention(const TreeAttentionArgs& a, float* partial, cudaStrea
                                                  s.splits, static_cast<int>(D), static_cast<int>(Hq), s.sinks_f32));
 }
 
-// launch(element): the op's launches for the model dtype's element type (bf16 or fp32), then the
-// launch error check.
+// launch(element): the op's launches (each checked) for the model dtype's element type (bf16 or fp32).
 template <typename Launch>
-void launch_by_dtype(DType dtype, const char* op, Launch&& launch) {
+void launch_by_dtype(DType dtype, Launch&& launch) {
   if (dtype == DType::kBFloat16)
     launch(__nv_bfloat16{});
   else
     launch(float{});
-  check_launch(op);
 }
 
 }  // namespace
@@ -459,7 +457,7 @@ void rms_norm(const RmsNormArgs& a, void* stream) {
   validate_rms_norm(a);
   check_cuda_args(a.x, "x", "rms_norm");
   if (a.x.shape[0] == 0) return;
-  launch_by_dtype(a.x.dtype, "rms_norm", [&](auto element) {
+  launch_by_dtype(a.x.dtype, [&](auto element) {
     launch_rms_norm<decltype(element)>(a, static_cast<cudaStream_t>(stream));
   });
 }
@@ -468,7 +466,7 @@ void attention_inputs(const AttentionInputsArgs& a, void* stream) {
   validate_attention_inputs(a);
   check_cuda_args(a.qkv, "qkv", "attention_inputs");
   if (a.qkv.shape[0] == 0) return;
-  launch_by_dtype(a.qkv.dtype, "attention_inputs", [&](auto element) {
+  launch_by_dtype(a.qkv.dtype, [&](auto element) {
     launch_attention_inputs<decltype(element)>(a, static_cast<cudaStream_t>(stream));
   });
 }
@@ -482,7 +480,7 @@ void tree_attention(const TreeAttentionArgs& a, void* workspace, std::size_t wor
                     " bytes (tree_attention_workspace_size), got ", workspace_bytes);
   MOESPEC_CHECK_ARG(G <= 65535, "groups", "at most 65535 groups a call, got ", G);
   if (P == 0 || G == 0) return;
-  launch_by_dtype(a.q.dtype, "tree_attention", [&](auto element) {
+  launch_by_dtype(a.q.dtype, [&](auto element) {
     launch_tree_attention<decltype(element)>(a, static_cast<float*>(workspace), static_cast<cudaStream_t>(stream));
   });
 }

@@ -354,10 +354,11 @@ __device__ __forceinline__ void up_rows(const __nv_bfloat16* __restrict__ expert
   const __nv_bfloat16* gate = experts + static_cast<int64_t>(e) * 3 * I * H + r0 * H;
   const __nv_bfloat16* const w[2] = {gate, gate + I * H};
   const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) : nullptr;
-  expert_passes<2, kTiles>(w, H, count, red, x_row, [=](int32_t at, int r, const float (&acc)[2][kTiles][4], int j, int i) {
+  const auto store = [=](int32_t at, int r, const float (&acc)[2][kTiles][4], int j, int i) {
     const int64_t row = r0 + r;
     h_row(at)[row] = __float2bfloat16_rn(activate(acc[0][j][i], acc[1][j][i], bias, I, row, p));
-  });
+  };
+  expert_passes<2, kTiles>(w, H, count, red, x_row, store);
 }
 
 // Down rows [r0, r0 + 16) of expert e over its `count` slots: slot `at` reads h row h_row(at) and
@@ -368,10 +369,11 @@ __device__ __forceinline__ void down_rows(const __nv_bfloat16* __restrict__ expe
                                           HRow h_row, YRow y_row) {
   const __nv_bfloat16* const w[1] = {experts + static_cast<int64_t>(e) * 3 * I * H + 2 * I * H + r0 * I};
   const float* bias = biases ? biases + static_cast<int64_t>(e) * (2 * I + H) + 2 * I : nullptr;
-  expert_passes<1, kTiles>(w, I, count, red, h_row, [=](int32_t at, int r, const float (&acc)[1][kTiles][4], int j, int i) {
+  const auto store = [=](int32_t at, int r, const float (&acc)[1][kTiles][4], int j, int i) {
     const int64_t row = r0 + r;
     y_row(at)[row] = acc[0][j][i] + (bias ? bias[row] : 0.0f);
-  });
+  };
+  expert_passes<1, kTiles>(w, I, count, red, h_row, store);
 }
 
 // grid (I / 16, used experts bound), block kSplit warps: gate and up rows [16 blockIdx.x, +16) of
@@ -559,7 +561,8 @@ __global__ void __launch_bounds__(kSplit * kWarp)
   if (g.expert < 0) {
     wait_for_primary();  // (no block exits before its primary is complete: device_common.cuh)
     if (blockIdx.y == 0)  // no slot is used at all: the tile's outputs are 0
-      for (int64_t i = threadIdx.x; i < f.T * 16; i += blockDim.x) out[i / 16 * f.H + r0 + i % 16] = __float2bfloat16_rn(0.0f);
+      for (int64_t i = threadIdx.x; i < f.T * 16; i += blockDim.x)
+        out[i / 16 * f.H + r0 + i % 16] = __float2bfloat16_rn(0.0f);
     return;
   }
   const char* rows = reinterpret_cast<const char*>(experts + static_cast<int64_t>(g.expert) * 3 * f.I * f.H +
@@ -660,6 +663,20 @@ void launch_mma(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bound
       experts, biases, w.offsets, w.used, h, w.y, H, I);
 }
 
+// launch(std::integral_constant<int, n-tiles>) for T tokens: an expert has at most T of them (distinct
+// ids per token), so the n-tiles of a pass cover that many, the passes loop over more.
+template <typename Launch>
+void with_tiles(int64_t T, Launch&& launch) {
+  if (T <= 8)
+    launch(std::integral_constant<int, 1>{});
+  else if (T <= 16)
+    launch(std::integral_constant<int, 2>{});
+  else if (T <= 32)
+    launch(std::integral_constant<int, 4>{});
+  else
+    launch(std::integral_constant<int, kMaxTiles>{});
+}
+
 template <typename W>
 void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
   const int64_t T = a.x.shape[0], H = a.x.shape[1], K = a.ids.shape[1], E = a.experts.shape[0];
@@ -679,32 +696,17 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
   const int major = device_major();
   const bool mma = std::is_same<W, __nv_bfloat16>::value && vec && H % kChunk == 0 && I % kChunk == 0 &&
                    (T <= 1 || ldx % 8 == 0) && major >= 8;
-  // tokens per expert are at most T (distinct ids per token): n-tiles for that, more loop
   const unsigned used_bound = static_cast<unsigned>(E < T * K ? E : T * K);
   if (mma && T * K <= kFusedSlots && fused_allowed()) {
     const bool pdl = pdl_allowed();
-    if (T <= 8)
-      launch_fused<1>(a, w, used_bound, p, round, pdl, stream);
-    else if (T <= 16)
-      launch_fused<2>(a, w, used_bound, p, round, pdl, stream);
-    else if (T <= 32)
-      launch_fused<4>(a, w, used_bound, p, round, pdl, stream);
-    else
-      launch_fused<kMaxTiles>(a, w, used_bound, p, round, pdl, stream);
+    with_tiles(T, [&](auto tiles) { launch_fused<decltype(tiles)::value>(a, w, used_bound, p, round, pdl, stream); });
     return;
   }
   const unsigned group_threads = static_cast<unsigned>((E + kWarp - 1) / kWarp * kWarp);
   group_kernel<<<1, group_threads, 0, stream>>>(ids, weights, round, T * K, static_cast<int32_t>(E), w.offsets,
                                                 w.order, w.pos, w.used, w.errors);
   if (mma) {
-    if (T <= 8)
-      launch_mma<1>(a, w, used_bound, p, stream);
-    else if (T <= 16)
-      launch_mma<2>(a, w, used_bound, p, stream);
-    else if (T <= 32)
-      launch_mma<4>(a, w, used_bound, p, stream);
-    else
-      launch_mma<kMaxTiles>(a, w, used_bound, p, stream);
+    with_tiles(T, [&](auto tiles) { launch_mma<decltype(tiles)::value>(a, w, used_bound, p, stream); });
   } else {
     const dim3 up_grid(static_cast<unsigned>(E), static_cast<unsigned>((I + kRowsPerBlock - 1) / kRowsPerBlock));
     const dim3 down_grid(static_cast<unsigned>(E), static_cast<unsigned>((H + kRowsPerBlock - 1) / kRowsPerBlock));
