@@ -190,14 +190,16 @@ void tree_attention_binding(const py::object& q, const py::object& k_cache, cons
   cuda::tree_attention(a, ws.data, ws.bytes, reinterpret_cast<void*>(stream));
 }
 
-void linear_binding(const py::object& x, const py::object& weight, const py::object& bias, const py::object& out) {
+void linear_binding(const py::object& x, const py::object& weight, const py::object& bias, const py::object& out,
+                    uintptr_t stream) {
   LinearArgs a;
   a.x = to_view(x, "x");
   a.weight = to_view(weight, "weight");
   a.bias = to_view(bias, "bias");
   a.out = to_view(out, "out");
   py::gil_scoped_release release;
-  cpu::linear(a);
+  if (a.x.device == Device::kCUDA) cuda::linear(a, reinterpret_cast<void*>(stream));
+  else cpu::linear(a);
 }
 
 }  // namespace
@@ -260,8 +262,8 @@ PYBIND11_MODULE(_native, m) {
       py::arg("T"), py::arg("K"), py::arg("E"), py::arg("H"), py::arg("I"), py::arg("dtype"));
   m.def("linear", &linear_binding,
         "Dense projection at decode/verify sizes: x [T, K], weight [N, K] (+ bias [N]) -> out [T, N], written "
-        "into the given output.",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"));
+        "into the given output; CUDA tensors run on the given stream.",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("stream") = 0);
   m.def("rms_norm", &rms_norm_binding,
         "RMSNorm of x [P, H] (after adding residual, the sum written to sum) scaled by weight [H] -> out; CUDA.",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("out"), py::arg("sum"), py::arg("eps"),

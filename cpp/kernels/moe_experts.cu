@@ -571,6 +571,7 @@ __global__ void __launch_bounds__(kSplit * kWarp)
   for (int64_t b = static_cast<int64_t>(threadIdx.x) * 128; b < ahead; b += static_cast<int64_t>(blockDim.x) * 128)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + b));
   wait_for_primary();  // h (and the zeroed counters) are complete from here on
+  launch_dependents();  // (the next kernel, e.g. the norm, waits for this one's completion to read out)
   const int32_t* list = g.list;
   down_rows<kTiles>(experts, biases, g.expert, g.count, r0, f.H, f.I, red,
                     [=](int32_t at) { return h + static_cast<int64_t>(list[at]) * f.I; },
@@ -661,20 +662,6 @@ void launch_mma(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bound
       x, a.x.strides[0], K, experts, biases, w.offsets, w.order, w.used, h, H, I, p);
   down_mma_kernel<kTiles><<<dim3(static_cast<unsigned>(H / 16), used_bound), kSplit * kWarp, 0, stream>>>(
       experts, biases, w.offsets, w.used, h, w.y, H, I);
-}
-
-// launch(std::integral_constant<int, n-tiles>) for T tokens: an expert has at most T of them (distinct
-// ids per token), so the n-tiles of a pass cover that many, the passes loop over more.
-template <typename Launch>
-void with_tiles(int64_t T, Launch&& launch) {
-  if (T <= 8)
-    launch(std::integral_constant<int, 1>{});
-  else if (T <= 16)
-    launch(std::integral_constant<int, 2>{});
-  else if (T <= 32)
-    launch(std::integral_constant<int, 4>{});
-  else
-    launch(std::integral_constant<int, kMaxTiles>{});
 }
 
 template <typename W>

@@ -1,12 +1,14 @@
-// The tensor-core building blocks of moe_experts.cu (bf16, sm_80+): one block of kSplit warps owns
-// 16 weight rows of one expert and streams them once per pass against up to kMaxTiles n-tiles of 8
-// tokens (mma.sync m16n8k16, fp32 accumulators), the warps' partial tiles summed in warp order
-// (deterministic). Used by the four-launch kernels and the fused pair alike.
+// The tensor-core building blocks of moe_experts.cu and linear.cu (bf16, sm_80+): one block of
+// kWarpsK warps (kSplit for the experts) owns 16 weight rows of one matrix and streams them once per
+// pass against up to kMaxTiles n-tiles of 8 tokens (mma.sync m16n8k16, fp32 accumulators), the
+// warps' partial tiles summed in warp order (deterministic). Used by the MoE kernel's four launches,
+// its fused pair and the dense projection alike.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device_common.cuh"
 
@@ -43,19 +45,21 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 }
 
 // acc[m][nt] += W_m[16 rows] . act[tokens of n-tile nt] over this warp's chunks of the reduction
-// dimension n (chunks warp, warp + kSplit, ...). W_m: row r at w[m] + r * ldw. Thread (g, t) =
+// dimension n (chunks warp, warp + kWarpsK, ...). W_m: row r at w[m] + r * ldw; rows past `rows`
+// (a last tile of fewer than 16) read row rows - 1 again (not stored by the caller). Thread (g, t) =
 // (lane / 4, lane % 4) loads elements [8t, 8t + 8) of a chunk for rows g and g + 8 and for token g of
 // each n-tile (act row arow[nt]); mma step s takes elements 8t + 4s + {0..3} as the fragment's
 // k = {2t, 2t + 1, 2t + 8, 2t + 9}: the same permutation of k in A and B.
-template <int kMats, int kTiles, int kUnroll>
-__device__ __forceinline__ void mma_rows(const __nv_bfloat16* const (&w)[kMats], int64_t ldw,
+template <int kMats, int kTiles, int kUnroll, int kWarpsK>
+__device__ __forceinline__ void mma_rows(const __nv_bfloat16* const (&w)[kMats], int64_t ldw, int nrows,
                                          const __nv_bfloat16* const (&arow)[kTiles], int tiles, int64_t n,
                                          int warp, int lane, float (&acc)[kMats][kTiles][4]) {
   const int g = lane / 4, t = lane % 4;
+  const int r_lo = g < nrows ? g : nrows - 1, r_hi = g + 8 < nrows ? g + 8 : nrows - 1;
   const __nv_bfloat16* rows[kMats][2];
 #pragma unroll
-  for (int m = 0; m < kMats; ++m) rows[m][0] = w[m] + g * ldw + 8 * t, rows[m][1] = rows[m][0] + 8 * ldw;
-  constexpr int64_t kStride = static_cast<int64_t>(kSplit) * kChunk;
+  for (int m = 0; m < kMats; ++m) rows[m][0] = w[m] + r_lo * ldw + 8 * t, rows[m][1] = w[m] + r_hi * ldw + 8 * t;
+  constexpr int64_t kStride = static_cast<int64_t>(kWarpsK) * kChunk;
   for (int64_t k0 = static_cast<int64_t>(warp) * kChunk; k0 < n; k0 += kStride * kUnroll) {
     uint4 a[kUnroll][kMats][2] = {}, b[kUnroll][kTiles] = {};
 #pragma unroll
@@ -93,9 +97,9 @@ __device__ __forceinline__ void mma_rows(const __nv_bfloat16* const (&w)[kMats],
   }
 }
 
-// The kSplit warps' tiles summed in warp order (deterministic) into warp 0's acc; returns true in
-// warp 0. `red`: shared memory for kSplit * kMats * kTiles * 4 * 32 floats.
-template <int kMats, int kTiles>
+// The kWarpsK warps' tiles summed in warp order (deterministic) into warp 0's acc; returns true in
+// warp 0. `red`: shared memory for (kWarpsK - 1) * kMats * kTiles * 4 * 32 floats.
+template <int kMats, int kTiles, int kWarpsK>
 __device__ __forceinline__ bool reduce_warps(float (&acc)[kMats][kTiles][4], float* red, int warp, int lane) {
   constexpr int kPer = kMats * kTiles * 4;
   if (warp > 0) {
@@ -109,7 +113,7 @@ __device__ __forceinline__ bool reduce_warps(float (&acc)[kMats][kTiles][4], flo
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
-    for (int v = 1; v < kSplit; ++v)
+    for (int v = 1; v < kWarpsK; ++v)
 #pragma unroll
       for (int m = 0; m < kMats; ++m)
 #pragma unroll
@@ -127,13 +131,13 @@ __device__ __forceinline__ int frag_col(int lane, int i) { return 2 * (lane % 4)
 
 
 // The passes of one block over its expert's slots, kTiles * 8 at a time, against weight rows of n
-// elements (w[m], 16 rows each, row stride n): the activation row of slot `at` (0 <= at < count) is
-// row_of(at); each pass streams the block's weight rows once
-// (mma_rows), sums the warps' tiles, and warp 0 hands every element of the tile to
-// store(at, row in the 16, the summed accumulators, tile, fragment element).
-template <int kMats, int kTiles, typename RowOf, typename Store>
+// elements (w[m], `nrows` <= 16 rows each, row stride n): the activation row of slot `at`
+// (0 <= at < count) is row_of(at); each pass streams the block's weight rows once (mma_rows), sums
+// the warps' tiles, and warp 0 hands every element of the tile's rows < nrows to
+// store(at, row in the 16, the summed accumulators, tile, fragment element). A block of kWarpsK warps.
+template <int kMats, int kTiles, int kWarpsK = kSplit, typename RowOf, typename Store>
 __device__ __forceinline__ void expert_passes(const __nv_bfloat16* const (&w)[kMats], int64_t n, int32_t count,
-                                              float* red, RowOf row_of, Store store) {
+                                              float* red, RowOf row_of, Store store, int nrows = 16) {
   constexpr int kUnroll = kTiles <= 2 ? 4 : 2;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   for (int32_t j0 = 0; j0 < count; j0 += kTiles * 8) {
@@ -145,16 +149,31 @@ __device__ __forceinline__ void expert_passes(const __nv_bfloat16* const (&w)[kM
       arow[j] = row_of(at < count ? at : count - 1);
     }
     float acc[kMats][kTiles][4] = {};
-    mma_rows<kMats, kTiles, kUnroll>(w, n, arow, tiles, n, warp, lane, acc);
-    if (!reduce_warps<kMats, kTiles>(acc, red, warp, lane)) continue;
+    mma_rows<kMats, kTiles, kUnroll, kWarpsK>(w, n, nrows, arow, tiles, n, warp, lane, acc);
+    if (!reduce_warps<kMats, kTiles, kWarpsK>(acc, red, warp, lane)) continue;
 #pragma unroll
     for (int j = 0; j < kTiles; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int32_t at = j0 + j * 8 + frag_col(lane, i);
-        if (at < count) store(at, frag_row(lane, i), acc, j, i);
+        if (at < count && frag_row(lane, i) < nrows) store(at, frag_row(lane, i), acc, j, i);
       }
   }
+}
+
+// Host side: launch(std::integral_constant<int, n-tiles>) for a matrix that meets at most T tokens
+// (an expert's slots: distinct ids per token), so that the n-tiles of a pass cover that many; the
+// passes loop over more.
+template <typename Launch>
+void with_tiles(int64_t T, Launch&& launch) {
+  if (T <= 8)
+    launch(std::integral_constant<int, 1>{});
+  else if (T <= 16)
+    launch(std::integral_constant<int, 2>{});
+  else if (T <= 32)
+    launch(std::integral_constant<int, 4>{});
+  else
+    launch(std::integral_constant<int, kMaxTiles>{});
 }
 
 }  // namespace device

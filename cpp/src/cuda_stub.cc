@@ -1,6 +1,7 @@
 // The CUDA entry points of a build without CUDA (MOESPEC_CUDA=OFF): they say so.
 #include "moespec/decoder_ops.h"
 #include "moespec/error.h"
+#include "moespec/linear.h"
 #include "moespec/moe_experts.h"
 #include "moespec/route_experts.h"
 #include "moespec/select_cost_aware.h"
@@ -42,6 +43,10 @@ void moe_experts(const MoeExpertsArgs&, void*, std::size_t, void*) {
 int64_t tree_attention_splits(int64_t, int64_t, int64_t) { return 1; }
 
 std::size_t tree_attention_workspace_size(int64_t, int64_t, int64_t, int64_t, int64_t) { return 0; }
+
+void linear(const LinearArgs&, void*) {
+  no_cuda();
+}
 
 void rms_norm(const RmsNormArgs&, void*) {
   no_cuda();

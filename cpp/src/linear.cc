@@ -22,7 +22,7 @@ void validate_linear(const LinearArgs& a) {
   check_not_null(a.x, "x");
   check_ndim(a.x, "x", 2);
   check_dtype(a.x, "x", {DType::kFloat32, DType::kBFloat16});
-  check_device(a.x, "x", Device::kCPU);
+  const int32_t index = a.x.device == Device::kCUDA ? a.x.device_index : -1;  // every tensor on x's device
   const int64_t T = a.x.shape[0], K = a.x.shape[1];
   MOESPEC_CHECK_ARG(K >= 1, "x", "input features K (dim 1) must be >= 1, got ", a.x.describe());
   MOESPEC_CHECK_ARG(a.x.strides[1] == 1 && (T <= 1 || a.x.strides[0] >= K), "x",
@@ -32,7 +32,7 @@ void validate_linear(const LinearArgs& a) {
   check_ndim(a.weight, "weight", 2);
   check_dim(a.weight, "weight", 1, K);
   check_contiguous(a.weight, "weight");
-  check_device(a.weight, "weight", Device::kCPU);
+  check_device(a.weight, "weight", a.x.device, index);
   MOESPEC_CHECK_ARG(a.weight.dtype == a.x.dtype, "weight", "expected x's dtype ", dtype_name(a.x.dtype), ", got ",
                     a.weight.describe());
   const int64_t N = a.weight.shape[0];
@@ -43,7 +43,7 @@ void validate_linear(const LinearArgs& a) {
     check_dim(a.bias, "bias", 0, N);
     check_dtype(a.bias, "bias", {DType::kFloat32, a.x.dtype});
     check_contiguous(a.bias, "bias");
-    check_device(a.bias, "bias", Device::kCPU);
+    check_device(a.bias, "bias", a.x.device, index);
   }
   check_not_null(a.out, "out");
   check_ndim(a.out, "out", 2);
@@ -52,7 +52,7 @@ void validate_linear(const LinearArgs& a) {
   MOESPEC_CHECK_ARG(a.out.dtype == a.x.dtype, "out", "expected x's dtype ", dtype_name(a.x.dtype), ", got ",
                     a.out.describe());
   check_contiguous(a.out, "out");
-  check_device(a.out, "out", Device::kCPU);
+  check_device(a.out, "out", a.x.device, index);
 }
 
 namespace cpu {
@@ -107,6 +107,7 @@ void linear_staged(const MoeExpertKernels& kernels, DType w_dtype, const void* w
 
 void linear(const LinearArgs& a) {
   validate_linear(a);
+  MOESPEC_CHECK_ARG(a.x.device == Device::kCPU, "x", "moespec::cpu::linear needs CPU tensors, got ", a.x.describe());
   const int64_t T = a.x.shape[0], K = a.x.shape[1], N = a.weight.shape[0];
   if (T == 0) return;
   const MoeExpertKernels& kernels = moe_expert_kernels(active_cpu_isa());
@@ -121,7 +122,8 @@ void linear(const LinearArgs& a) {
   if (!f32) {
     uint16_t* out = a.out.ptr<uint16_t>();
     for (int64_t i = 0; i < T * N; ++i) out[i] = detail::float_to_bf16(y[i]);
-  }  release_if_large(act_buf, y_buf);
+  }
+  release_if_large(act_buf, y_buf);
 }
 
 }  // namespace cpu

@@ -21,6 +21,7 @@
 #include "moespec/detail/route_math.h"
 #include "moespec/error.h"
 #include "moespec/linear.h"
+#include "moespec/route_experts.h"  // cuda::available
 #include "moespec/thread_pool.h"
 
 using namespace moespec;
@@ -107,6 +108,13 @@ bool close(const std::vector<float>& got, const std::vector<double>& want, doubl
     }
   }
   return true;
+}
+
+// The same views, labelled as on CUDA device 0 (argument checks only).
+LinearArgs on_cuda(LinearArgs a) {
+  for (TensorView* t : {&a.x, &a.weight, &a.bias, &a.out})
+    if (t->defined()) t->device = Device::kCUDA, t->device_index = 0;
+  return a;
 }
 
 struct IsaGuard {  // restores the active ISA
@@ -218,11 +226,33 @@ TEST(linear_rejects_bad_arguments) {
   bad.out = TensorView::contiguous(c.out.data(), DType::kFloat32, {3, 7});
   CHECK_THROWS_WITH(cpu::linear(bad), "out");
   bad = a;
-  bad.x.device = Device::kCUDA;
-  CHECK_THROWS_WITH(cpu::linear(bad), "x");
+  bad.x.device = Device::kCUDA;  // every tensor on x's device
+  CHECK_THROWS_WITH(cpu::linear(bad), "weight: expected a tensor on cuda");
   bad = a;
   bad.x = TensorView{};
   CHECK_THROWS_WITH(cpu::linear(bad), "x");
+  bad = on_cuda(a);
+  CHECK_THROWS_WITH(cpu::linear(bad), "needs CPU tensors");
+}
+
+// The CUDA entry point's own conditions, checked before anything is launched (so the views may
+// point at host memory: nothing reads them). Valid arguments are not run here: on a machine with a
+// GPU they would launch on host pointers (tests/gpu/test_linear_cuda.py runs the kernel).
+TEST(cuda_linear_rejects_what_its_kernel_does_not_take) {
+  if (!cuda::available()) return;  // (a build without CUDA: cuda::linear only says so)
+  LinearCase f32(3, 64, 8, DType::kFloat32, 0, 2);
+  CHECK_THROWS_WITH(cuda::linear(on_cuda(f32.args()), nullptr), "bfloat16");
+  LinearCase odd(3, 48, 8, DType::kBFloat16, 0, 3);
+  CHECK_THROWS_WITH(cuda::linear(on_cuda(odd.args()), nullptr), "a multiple of 32");
+  LinearCase bf(3, 64, 8, DType::kBFloat16, 2, 4);
+  LinearArgs a = on_cuda(bf.args());
+  a.x.data = static_cast<char*>(a.x.data) + 2;  // (the view's extent stays inside the buffer's first rows)
+  a.x.shape[0] = 1;
+  a.out.shape[0] = 1;
+  CHECK_THROWS_WITH(cuda::linear(a, nullptr), "16-byte aligned");
+  a = on_cuda(bf.args());
+  a.bias.device = Device::kCPU;
+  CHECK_THROWS_WITH(cuda::linear(a, nullptr), "bias: expected a tensor on cuda");
 }
 
 TEST(exp_sum_matches_expf_on_every_isa) {

@@ -19,7 +19,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from gpu_common import event_seconds, graph_seconds
+from gpu_common import copy_bandwidth, event_seconds, graph_seconds
 
 from moespec.ops import moe_experts
 
@@ -33,14 +33,6 @@ TOKENS = (1, 4, 16, 64)
 CALLS = 20
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """GB/s of a device-to-device copy, bytes read + written: the better of an eager copy timed by
-    events and 5 copies in a graph (the yardstick is the faster: the stricter target)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=CUDA)
-    dst = torch.empty_like(src)
-    t = min(event_seconds(lambda: dst.copy_(src)), graph_seconds(lambda: dst.copy_(src), calls=5))
-    return 2 * nbytes / t / 1e9
-
 def routing(T: int, K: int, active: int, E: int):
     """ids [T, K] using exactly min(active, T K) experts (spread round robin, distinct within a token)."""
     experts = torch.randperm(E, generator=torch.Generator().manual_seed(active))[:active]
@@ -51,9 +43,11 @@ def routing(T: int, K: int, active: int, E: int):
 
 def launches_seconds(fused: str, pdl: str, fn) -> float:
     """graph_seconds of fn with MOESPEC_MOE_FUSED=fused and MOESPEC_PDL=pdl (captured under them: they
-    are read at capture, when the kernels are launched)."""
+    are read at capture, when the kernels are launched). A caller's "0" wins (tests/gpu/run.sh's
+    fallback run: every variant then times the path it asked for)."""
     saved = {name: os.environ.get(name) for name in ("MOESPEC_MOE_FUSED", "MOESPEC_PDL")}
-    os.environ.update({"MOESPEC_MOE_FUSED": fused, "MOESPEC_PDL": pdl})
+    os.environ.update({"MOESPEC_MOE_FUSED": "0" if saved["MOESPEC_MOE_FUSED"] == "0" else fused,
+                       "MOESPEC_PDL": "0" if saved["MOESPEC_PDL"] == "0" else pdl})
     try:
         return graph_seconds(fn, calls=CALLS)
     finally:

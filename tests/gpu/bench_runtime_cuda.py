@@ -12,8 +12,9 @@ runtime"): within 15% of the roofline at T <= 16, with CUDA graphs (the "graphs"
 moespec.runtime.graphs); each row times the eager reference backend and the graphs backend, the
 latter with its default forward (moespec.runtime.fused: the decoder ops' kernels), with the
 reference forward on static buffers (MOESPEC_FUSED_STEP=0), with every kernel launched plainly instead
-of as a programmatic dependent (MOESPEC_PDL=0) and with the MoE kernel's four launches instead of the
-fused pair (MOESPEC_MOE_FUSED=0).
+of as a programmatic dependent (MOESPEC_PDL=0), with the MoE kernel's four launches instead of the
+fused pair (MOESPEC_MOE_FUSED=0) and with torch's GEMM for the dense projections instead of
+moespec's linear kernel (MOESPEC_CUDA_LINEAR=0).
 """
 
 from __future__ import annotations
@@ -209,18 +210,23 @@ def main() -> int:
             m.backend_name = "reference"
             t = event_seconds(step)
             kept = float(stats["kept"])
-            def graphs_with(**env):  # graphs made and captured under these settings, then the defaults again
+            def graphs_with(**env):  # graphs made and captured under these settings, then the caller's again
+                saved = {name: os.environ.get(name) for name in env}
                 os.environ.update(env)
                 try:
                     m.backend_name = "graphs"
                     return event_seconds(step)
                 finally:
-                    for name in env:
-                        del os.environ[name]
+                    for name, value in saved.items():
+                        if value is None:
+                            os.environ.pop(name, None)
+                        else:
+                            os.environ[name] = value
 
             t_unfused = graphs_with(MOESPEC_FUSED_STEP="0")  # graphs of the reference forward
             t_no_pdl = graphs_with(MOESPEC_PDL="0")  # every kernel launched plainly
             t_moe_four = graphs_with(MOESPEC_MOE_FUSED="0")  # the MoE kernel's four launches
+            t_torch_linear = graphs_with(MOESPEC_CUDA_LINEAR="0")  # torch's GEMM for the projections
             m.backend_name = "graphs"  # graphs of the fused forward (moespec.runtime.fused): the default
             assert m.backend.fused is not None
             t_graph = event_seconds(step)
@@ -228,11 +234,13 @@ def main() -> int:
             roof = (dense + LAYERS * kept * expert_bytes) / (copy * 1e9)
             rows.append({"T": T, "budget": B, "ms": t * 1e3, "graphs_ms": t_graph * 1e3, "graphs_host_ms": host * 1e3,
                          "graphs_reference_forward_ms": t_unfused * 1e3, "graphs_no_pdl_ms": t_no_pdl * 1e3,
-                         "graphs_moe_four_launches_ms": t_moe_four * 1e3, "unique": kept, "roofline_ms": roof * 1e3,
+                         "graphs_moe_four_launches_ms": t_moe_four * 1e3, "graphs_torch_linear_ms": t_torch_linear * 1e3,
+                         "unique": kept, "roofline_ms": roof * 1e3,
                          "x_roofline": t / roof, "graphs_x_roofline": t_graph / roof})
             print(f"T={T:3d} budget={str(B):>4s}: eager {t * 1e3:7.3f} ms, graphs {t_graph * 1e3:7.3f} ms "
                   f"(reference forward {t_unfused * 1e3:7.3f}, no PDL {t_no_pdl * 1e3:7.3f}, MoE in four launches "
-                  f"{t_moe_four * 1e3:7.3f} ms; host {host * 1e3:6.3f} ms a call), "
+                  f"{t_moe_four * 1e3:7.3f}, torch's projections {t_torch_linear * 1e3:7.3f} ms; "
+                  f"host {host * 1e3:6.3f} ms a call), "
                   f"{kept:6.1f} experts/layer, roofline {roof * 1e3:6.3f} ms (graphs {t_graph / roof:5.2f}x)")
     x = torch.randn(16, H, device=CUDA).to(torch.bfloat16)
     router = m.weights.layers[0].router
@@ -240,9 +248,13 @@ def main() -> int:
     logits = torch.nn.functional.linear(x, router)
     # inside a CUDA graph, as in the captured verify step (no host-side dispatch in the number)
     t_route = graph_seconds(lambda: route_experts(logits, spec, ExpertBudget(32)))
+    saved = os.environ.get("MOESPEC_ROUTE_FUSED")
     os.environ["MOESPEC_ROUTE_FUSED"] = "0"  # the four-launch path, for comparison (read at each call)
     t_route_4 = graph_seconds(lambda: route_experts(logits, spec, ExpertBudget(32)))
-    del os.environ["MOESPEC_ROUTE_FUSED"]
+    if saved is None:
+        del os.environ["MOESPEC_ROUTE_FUSED"]
+    else:
+        os.environ["MOESPEC_ROUTE_FUSED"] = saved
     layer_ms = next(r["graphs_ms"] for r in rows if r["T"] == 16 and r["budget"] == 32) / LAYERS
     print(f"routing + budget (T=16, B=32, in a graph): {t_route * 1e6:.1f} us = {100 * t_route * 1e3 / layer_ms:.1f}% "
           f"of a verify layer ({layer_ms:.3f} ms); four launches: {t_route_4 * 1e6:.1f} us")

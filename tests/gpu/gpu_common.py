@@ -1,5 +1,6 @@
 """What the GPU tests and timing scripts share: the source tree on sys.path, the module-level skip
-without a CUDA device or a CUDA build, and CUDA-event / CUDA-graph timing (medians)."""
+without a CUDA device or a CUDA build, CUDA-event / CUDA-graph timing (medians) and the device
+copy bandwidth the timings are held to."""
 
 from __future__ import annotations
 
@@ -57,3 +58,12 @@ def graph_seconds(fn, calls: int = 20, replays: int = 5) -> float:
         for _ in range(calls):
             fn()
     return event_seconds(graph.replay, replays) / calls
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """GB/s of a device-to-device copy, bytes read + written: the better of an eager copy timed by
+    events and 5 copies in a graph (the yardstick is the faster: the stricter target)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = min(event_seconds(lambda: dst.copy_(src)), graph_seconds(lambda: dst.copy_(src), calls=5))
+    return 2 * nbytes / t / 1e9

@@ -44,15 +44,32 @@ cmake -S . -B "$BUILD" -G Ninja -DPython_EXECUTABLE="$PY" -DMOESPEC_CUDA=ON \
 log "build -> $LOGS/build.log"
 cmake --build "$BUILD" -j "${JOBS:-$(nproc)}" 2>&1 | tee "$LOGS/build.log"
 
-results=()  # "name": "passed" | "failed", written to $LOGS/summary.json
+results=()  # "name": "passed" | "failed" | "skipped", written to $LOGS/summary.json after every step
+DEADLINE=${DEADLINE:-540}  # seconds since the start: later steps are skipped (the device call stops at 600)
+ok=0  # whether the last step passed
 step() {  # step <name> <log file> <seconds> <command...>: runs it (stopped after <seconds>: one hung
   # step must not eat the device call), logs it, records its result
   local name=$1 file=$2 limit=$3 started=$SECONDS
   shift 3
-  log "$name -> $LOGS/$file (at most ${limit} s)"
-  if timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOGS/$file"; then results+=("\"$name\": \"passed\""); else
-    results+=("\"$name\": \"failed\""); status=1; fi
-  log "$name: $((SECONDS - started)) s"
+  if (( SECONDS + 10 > DEADLINE )); then
+    log "$name: skipped ($SECONDS s of the ${DEADLINE} s are gone)"; results+=("\"$name\": \"skipped\""); status=1; ok=0
+  else
+    (( limit > DEADLINE - SECONDS )) && limit=$((DEADLINE - SECONDS))
+    log "$name -> $LOGS/$file (at most ${limit} s)"
+    if timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOGS/$file"; then results+=("\"$name\": \"passed\""); ok=1; else
+      results+=("\"$name\": \"failed\""); status=1; ok=0; fi
+    log "$name: $((SECONDS - started)) s"
+  fi
+  (IFS=,; printf '{%s}\n' "${results[*]}") >"$LOGS/summary.json"
+}
+# The paths measured on 2026-12-04, each newer piece switched off (README "On CUDA"): a timing that
+# fails on the defaults runs once more this way, so that one broken kernel still leaves the tables.
+FALLBACK=(MOESPEC_PDL=0 MOESPEC_MOE_FUSED=0 MOESPEC_FUSED_STEP=0 MOESPEC_ROUTE_FUSED=0 MOESPEC_CUDA_LINEAR=0)
+timing() {  # timing <name> <log file> <seconds> <script>
+  step "timing: $1" "$2" "$3" env PYTHONPATH=python "$PY" "$4"
+  if (( ok == 0 )); then
+    step "timing: $1 (fallback: ${FALLBACK[*]})" "$2" "$3" env "${FALLBACK[@]}" PYTHONPATH=python "$PY" "$4"
+  fi
 }
 
 step "C++ tests (ctest)" ctest.log 120 bash -c "cd '$BUILD' && ctest --output-on-failure"
@@ -60,11 +77,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 for file in tests/gpu/test_*.py; do  # one process a file: a crash in one does not hide the others' results
   step "GPU tests ($file)" pytest.log 120 env PYTHONPATH=python "$PY" -m pytest -q -p no:cacheprovider --durations=5 "$file"
 done
-step "timing: route_experts" bench.log 45 env PYTHONPATH=python "$PY" tests/gpu/bench_route_experts_cuda.py
-step "timing: moe_experts" bench_moe.log 110 env PYTHONPATH=python "$PY" tests/gpu/bench_moe_experts_cuda.py
-step "timing: runtime steps" bench_runtime.log 170 env PYTHONPATH=python "$PY" tests/gpu/bench_runtime_cuda.py
+timing "route_experts" bench.log 45 tests/gpu/bench_route_experts_cuda.py
+timing "moe_experts" bench_moe.log 110 tests/gpu/bench_moe_experts_cuda.py
+timing "linear" bench_linear.log 45 tests/gpu/bench_linear_cuda.py
+timing "runtime steps" bench_runtime.log 170 tests/gpu/bench_runtime_cuda.py
 step "hardware profile" profile.log 45 "$PY" tests/gpu/measure_profile.py
-(IFS=,; printf '{%s}\n' "${results[*]}") >"$LOGS/summary.json"
 
 if [[ $status == 0 ]]; then log "all passed; logs in $LOGS"; else log "FAILED (see above); logs in $LOGS"; fi
 exit $status

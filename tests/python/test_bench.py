@@ -506,6 +506,11 @@ def test_gpu_check_plots_from_its_json(tmp_path):
     assert plot_results.main([str(tmp_path / "in"), "--out", str(tmp_path / "b")]) == 0
     assert (tmp_path / "b" / "gpu_steps.png").stat().st_size > 10_000
     assert not (tmp_path / "b" / "gpu_moe_kernel.png").exists()
+    linear_rows = [{"shape": shape, "T": T, "of_copy": 0.8 - 0.1 / T, "torch_of_copy": 0.7}  # (as bench_linear_cuda.py)
+                   for shape in ("q/k/v", "o") for T in (1, 4, 16, 64)]
+    (tmp_path / "in" / "linear_bench.json").write_text(json.dumps({"device": "test", "rows": linear_rows}))
+    assert plot_results.main([str(tmp_path / "in"), "--out", str(tmp_path / "c")]) == 0
+    assert (tmp_path / "c" / "gpu_linear.png").stat().st_size > 10_000
     shutil.rmtree(tmp_path / "in")
     (tmp_path / "in").mkdir()
     assert plot_results.main([str(tmp_path / "in")]) == 2

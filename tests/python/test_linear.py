@@ -81,6 +81,33 @@ def test_leading_dims_and_fallbacks():
     assert p.grad is not None
 
 
+def test_cpu_kernel_false_is_torchs_op(monkeypatch):
+    """The model forwards' projections (cpu_kernel=False) stay torch's op on the CPU: the reference
+    forward the CPU tests hold every backend to. The native kernel is made to fail, so that taking it
+    shows."""
+    g = torch.Generator().manual_seed(6)
+    x, w, b = torch.randn(3, 64, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16(), None
+
+    def fail(*args):
+        raise AssertionError("the native kernel ran")
+
+    monkeypatch.setattr(native(), "linear", fail)
+    assert torch.equal(linear(x, w, b, cpu_kernel=False), F.linear(x, w, b))
+    with pytest.raises(AssertionError, match="native kernel ran"):
+        linear(x, w, b)
+
+
+def test_the_cuda_switch_is_read_strictly(monkeypatch):
+    from moespec.ops.linear import cuda_kernel_enabled
+
+    assert cuda_kernel_enabled()
+    monkeypatch.setenv("MOESPEC_CUDA_LINEAR", "0")
+    assert not cuda_kernel_enabled()
+    monkeypatch.setenv("MOESPEC_CUDA_LINEAR", "off")
+    with pytest.raises(ValueError, match="MOESPEC_CUDA_LINEAR"):
+        cuda_kernel_enabled()
+
+
 def test_custom_op_passes_opcheck():
     g = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(3, 16, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, generator=g)

@@ -25,7 +25,7 @@
 
 namespace moespec {
 
-struct LinearArgs {
+struct LinearArgs {  // every tensor on one device (the CPU, or one CUDA device)
   TensorView x;       // [T, K] float32 | bfloat16, rows contiguous (row stride >= K)
   TensorView weight;  // [N, K] x's dtype, contiguous
   TensorView bias;    // [N] x's dtype or float32 (optional)
@@ -39,5 +39,15 @@ namespace cpu {
 // Runs on the active CPU ISA (MOESPEC_CPU_ISA) and the thread pool.
 void linear(const LinearArgs& args);
 }  // namespace cpu
+
+namespace cuda {
+// On CUDA tensors (cpp/kernels/linear.cu): bf16 x, weight and out, K a multiple of 32, x's rows and
+// the weight 16-byte aligned (else kInvalidArgument naming what does not fit: callers take torch's
+// GEMM for those); tensor cores, each weight row streamed once per 64 tokens, fp32 accumulation in a
+// fixed order per element (batch-invariant, deterministic). Launched on `stream` (a cudaStream_t)
+// with no host synchronisation and no allocation; a programmatic dependent launch on sm_90
+// (MOESPEC_PDL). Not bit-equal to the CPU kernel (the sums' order differs): within the bf16 tolerance.
+void linear(const LinearArgs& args, void* stream);
+}  // namespace cuda
 
 }  // namespace moespec

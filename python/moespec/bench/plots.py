@@ -170,6 +170,27 @@ def gpu_moe_plot(bench: dict[str, Any], path: Union[str, Path]) -> Path:
     return _save(plt, fig, path)
 
 
+def gpu_linear_plot(bench: dict[str, Any], path: Union[str, Path]) -> Path:
+    """``bench``: tests/gpu/bench_linear_cuda.py's linear_bench.json: % of the copy bandwidth against
+    T, moespec's kernel (solid) and torch's GEMM (dotted), a colour a projection."""
+    plt = _pyplot()
+    rows = bench["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray")
+    for color, shape in zip(colors, dict.fromkeys(r["shape"] for r in rows)):
+        own = sorted((r["T"], r["of_copy"], r["torch_of_copy"]) for r in rows if r["shape"] == shape)
+        ts = [o[0] for o in own]
+        ax.plot(ts, [100 * o[1] for o in own], "o-", color=color, label=f"{shape}: moespec")
+        ax.plot(ts, [100 * o[2] for o in own], "x:", color=color, label=f"{shape}: torch")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("% of the device copy bandwidth")
+    ax.set_title(f"Dense projections: weight bytes / time, {bench.get('device', 'GPU')}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    return _save(plt, fig, path)
+
+
 def _save(plt: Any, fig: Any, path: Union[str, Path]) -> Path:
     """Lays out, writes atomically (creating the folder) and closes ``fig``; returns the path."""
     import os

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from moespec.models.config import MoeConfig
 from moespec.models.weights import LayerWeights
 from moespec.ops import ExpertBudget, Routing, moe_experts, route_experts
+from moespec.ops.linear import linear
 
 MOE_IMPLS = ("kernel", "reference")
 
@@ -60,9 +61,11 @@ def experts_reference(x: torch.Tensor, routing: Routing, layer: LayerWeights, mo
 def shared_expert(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
     """down(silu(gate x) * up x), scaled by sigmoid(shared_gate . x) where the layer has that gate
     (Qwen2-MoE; DeepSeek-V3's shared experts have none), as transformers computes it; [P, H]."""
-    gate, up = F.linear(x, layer.shared_gate_up).chunk(2, dim=-1)  # [P, Is] each
-    out = F.linear(F.silu(gate) * up, layer.shared_down)
-    return out if layer.shared_gate is None else torch.sigmoid(F.linear(x, layer.shared_gate)) * out
+    gate, up = linear(x, layer.shared_gate_up, cpu_kernel=False).chunk(2, dim=-1)  # [P, Is] each
+    out = linear(F.silu(gate) * up, layer.shared_down, cpu_kernel=False)
+    if layer.shared_gate is None:
+        return out
+    return torch.sigmoid(linear(x, layer.shared_gate, cpu_kernel=False)) * out
 
 
 def _kernel_runs_on(device: torch.device) -> bool:
@@ -84,7 +87,7 @@ def moe_forward(
     if moe.router_fp32:  # DeepSeek-V3: float32 x and weights
         logits = F.linear(x.float(), layer.router.float())
     else:  # [P, E], in the model dtype as transformers computes it
-        logits = F.linear(x, layer.router, layer.router_bias)
+        logits = linear(x, layer.router, layer.router_bias, cpu_kernel=False)
     bias = layer.score_bias.float() if layer.score_bias is not None else None
     # (check_finite=False: a CUDA step never synchronises with the host; the CPU checks in any case.)
     routing = route_experts(logits, moe.router, budget, bias, check_finite=False)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from moespec.models.cache import KVCache
 from moespec.models.config import ModelConfig
+from moespec.ops.linear import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_fp32: bool = False) -> torch.Tensor:
@@ -58,7 +59,7 @@ def attention(c: ModelConfig, index: int, layer, h: torch.Tensor, cos, sin, mask
 def _gqa(c: ModelConfig, index: int, layer, h, cos, sin, mask, cache: KVCache, rows, cols, slots, S: int):
     B, T, _ = h.shape
     D, Hq, Hkv = c.head_dim, c.num_heads, c.num_kv_heads
-    q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = linear(h, layer.qkv, layer.qkv_bias, cpu_kernel=False).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
     if c.qk_norm == "full":
         q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
     if c.clip_qkv is not None:
@@ -76,7 +77,7 @@ def _gqa(c: ModelConfig, index: int, layer, h, cos, sin, mask, cache: KVCache, r
                                            scale=D**-0.5, enable_gqa=Hq != Hkv)  # [B, Hq, T, D]
     else:
         o = attention_with_sinks(q, k_cache[:, :, :S], v_cache[:, :, :S], mask, layer.sinks, D**-0.5)
-    return F.linear(o.transpose(1, 2).reshape(B, T, Hq * D), layer.o, layer.o_bias)
+    return linear(o.transpose(1, 2).reshape(B, T, Hq * D), layer.o, layer.o_bias, cpu_kernel=False)
 
 
 def mla_scale(c: ModelConfig) -> float:
@@ -94,23 +95,25 @@ def _mla(c: ModelConfig, index: int, layer, h, cos, sin, mask, cache: KVCache, r
     B, T, _ = h.shape
     Hq, R, nope, rope, vd = c.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     if layer.q_a is not None:
-        q = F.linear(rms_norm(F.linear(h, layer.q_a), layer.q_a_norm, c.rms_norm_eps), layer.q)
+        q_a = rms_norm(linear(h, layer.q_a, cpu_kernel=False), layer.q_a_norm, c.rms_norm_eps)
+        q = linear(q_a, layer.q, cpu_kernel=False)
     else:
-        q = F.linear(h, layer.q)
+        q = linear(h, layer.q, cpu_kernel=False)
     q_pass, q_rot = q.view(B, T, Hq, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)  # [B, Hq, T, *]
-    latent, k_rot = F.linear(h, layer.kv_a).split([R, rope], dim=-1)
+    latent, k_rot = linear(h, layer.kv_a, cpu_kernel=False).split([R, rope], dim=-1)
     latent = rms_norm(latent, layer.kv_a_norm, c.rms_norm_eps)  # [B, T, R]
     turn = rotate_interleaved if m.rope_interleave else rotate
     q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot[:, None], cos, sin)  # [B, Hq, T, rope], [B, 1, T, rope]
     lat_cache, rot_cache = cache.k[index], cache.v[index]  # [B, 1, S_max, R], [B, 1, S_max, rope]
     lat_cache[rows, :, slots] = latent[:, None][rows, :, cols]
     rot_cache[rows, :, slots] = k_rot[rows, :, cols]
-    kv = F.linear(lat_cache[:, 0, :S], layer.kv_b).view(B, S, Hq, nope + vd).transpose(1, 2)  # [B, Hq, S, *]
+    kv = linear(lat_cache[:, 0, :S], layer.kv_b, cpu_kernel=False)
+    kv = kv.view(B, S, Hq, nope + vd).transpose(1, 2)  # [B, Hq, S, *]
     k_nope, v = kv.split([nope, vd], dim=-1)
     k = torch.cat([k_nope, rot_cache[:, :, :S].expand(B, Hq, S, rope)], dim=-1)
     o = F.scaled_dot_product_attention(torch.cat([q_pass, q_rot], dim=-1), k, v, attn_mask=mask,
                                        scale=mla_scale(c))  # [B, Hq, T, vd]
-    return F.linear(o.transpose(1, 2).reshape(B, T, Hq * vd), layer.o, layer.o_bias)
+    return linear(o.transpose(1, 2).reshape(B, T, Hq * vd), layer.o, layer.o_bias, cpu_kernel=False)
 
 
 def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,

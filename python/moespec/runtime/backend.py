@@ -38,6 +38,7 @@ from moespec._tensor import to_device, view
 from moespec.models.cache import KVCache
 from moespec.models.moe import moe_forward
 from moespec.ops import ExpertBudget, RoutingStats
+from moespec.ops.linear import linear
 from moespec.ops.routing import _FAMILY_CODES, budget_codes, softmax_vector_width
 from moespec.runtime.attention import attention, rms_norm, rotate  # noqa: F401 (re-exported)
 from moespec.runtime.state import RopeTable, StepGeometry, step_geometry
@@ -188,7 +189,7 @@ class ReferenceBackend:
         if last_only:
             last = to_device([max(n - 1, 0) for n in batch.num], x.device)
             x = x[torch.arange(B, device=x.device), last]  # [B, H]
-        logits = F.linear(norm(x, w.final_norm), w.lm_head)
+        logits = linear(norm(x, w.final_norm), w.lm_head, cpu_kernel=False)
         if last_only:
             logits = logits * batch.valid.any(dim=1, keepdim=True)  # zeros for requests without new tokens
         expert_stats = torch.stack(stats) if stats else torch.zeros(0, 4, dtype=torch.int32, device=x.device)
@@ -201,8 +202,8 @@ class ReferenceBackend:
 
 def dense_mlp(h: torch.Tensor, layer) -> torch.Tensor:
     """A dense layer's SwiGLU feed-forward: down(silu(gate h) * up h)."""
-    gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, layer.down)
+    gate, up = linear(h, layer.gate_up, cpu_kernel=False).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, layer.down, cpu_kernel=False)
 
 
 # ---- native -------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ q/k/v projection, ``attention_inputs`` (clip, q/k norm, rope, the cache writes: 
 ``tree_attention`` (over each request's used slots only: the cache length is read on the device,
 so a captured graph replays at any length), the o projection, ``rms_norm`` (residual add + post
 norm), then the MoE (router projection, routing + budget, experts) or the dense MLP. On CUDA a layer
-is ~15 launches instead of the ~37 small torch kernels of the reference forward (its norms as
+is ~11 launches, every one a moespec kernel (the projections: :func:`moespec.ops.linear`'s CUDA
+kernel), instead of the ~37 small torch kernels of the reference forward (its norms as
 mean-reductions, rope as five elementwise ops per tensor, the cache's index_put, the mask, SDPA
 over all S_max slots), and the graph has no mask of S_max columns to build. On the CPU the ops run
 their plain-torch versions (the reference's own ops), which is what tests/python/test_graphs.py
@@ -35,6 +36,7 @@ from moespec._loader import native
 from moespec._tensor import to_device
 from moespec.models.moe import moe_forward
 from moespec.ops import ExpertBudget
+from moespec.ops.linear import linear
 from moespec.ops.decoder import attention_groups, attention_inputs, enabled, rms_norm, tree_attention
 from moespec.runtime.state import StepGeometry, step_geometry
 
@@ -90,14 +92,14 @@ class FusedForward:
                         scale_fp32=c.norm_scale_fp32)  # [P, H] each
         tapped, stats = {}, []
         for i, layer in enumerate(w.layers):
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias, cpu_kernel=False)
             k_cache, v_cache = cache.k[i], cache.v[i]
             q = attention_inputs(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, batch.rows, batch.slots,
                                  num_heads=Hq, num_kv_heads=Hkv, qk_norm=c.qk_norm, eps=eps, clip=c.clip_qkv)
             o = tree_attention(q, k_cache, v_cache, batch.start, batch.offsets, batch.groups, batch.words, D**-0.5,
                                positions=batch.positions, window=c.window(i), sinks=layer.sinks)
-            x, h = rms_norm(F.linear(o.view(P, Hq * D), layer.o, layer.o_bias), layer.post_norm, eps,
-                            residual=x, scale_fp32=c.norm_scale_fp32)
+            attended = linear(o.view(P, Hq * D), layer.o, layer.o_bias, cpu_kernel=False)
+            x, h = rms_norm(attended, layer.post_norm, eps, residual=x, scale_fp32=c.norm_scale_fp32)
             if c.is_moe_layer(i):
                 layer_budget = budget.for_layer(len(stats)) if budget is not None else None
                 mlp, layer_stats = moe_forward(h, layer, c.moe, layer_budget, model.moe_impl)
@@ -109,7 +111,8 @@ class FusedForward:
             if i in model.taps:
                 tapped[i] = x
         expert_stats = torch.stack(stats) if stats else torch.zeros(0, 4, dtype=torch.int32, device=x.device)
-        return ForwardOutput(logits=F.linear(h, w.lm_head), hidden=tuple(tapped[t] for t in model.taps),
+        logits = linear(h, w.lm_head, cpu_kernel=False)
+        return ForwardOutput(logits=logits, hidden=tuple(tapped[t] for t in model.taps),
                              expert_stats=expert_stats, num_tokens=[P])
 
 
