@@ -192,6 +192,24 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, d
     assert len(syncs) <= 3 * steps, f"{len(syncs) / steps:.1f} synchronisations a step, at {', '.join(where)}"
 
 
+def test_catch_up_graph_replay_equals_the_eager_catch_up(folder, monkeypatch):
+    """The step's catch-up on CUDA graphs (moespec.spec.draft_graph.StaticCatchUp, a graph per (B, T)
+    bucket) against the same calls run eagerly on a second draft cache: the same head outputs and
+    cache entries, bit for bit (tests/python/test_graphs.py holds the same on the CPU with a fake
+    graph)."""
+    from test_graphs import assert_static_catch_up_equals_eager
+
+    from moespec import SpeculativeConfig
+    from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.train import new_head
+
+    monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", "1")
+    target = mm.load(folder, "fp32", device="cuda")
+    head = new_head(target.config, target.weights.embed, None, seed=0).to("cuda")
+    assert_static_catch_up_equals_eager(Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=3, top_k=2,
+                                                                                       total_tokens=4)))
+
+
 def test_draft_graph_replay_equals_the_eager_round(folder, monkeypatch):
     """MOESPEC_DRAFT_GRAPHS=1 on CUDA (moespec.spec.draft_graph): the draft round captured once per
     (draft cache, builder) and replayed every step gives the trees of the same static round run

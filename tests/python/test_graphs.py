@@ -101,8 +101,9 @@ def test_draft_rounds_replayed_from_a_captured_graph_equal_the_eager_rounds(fold
     """MOESPEC_DRAFT_GRAPHS=1 as on a GPU (moespec.spec.draft_graph), on the CPU: the round captured into
     fake_graph's stand-in for a CUDA graph (ops recorded, not run, at the capture) and the tree core's
     value checks deferred to the finalize. The first round's trees and problems are its eager run's,
-    every replayed round gives the trees of the same round run eagerly, and greedy eagle3 through it
-    equals greedy ar, after an eager-draft run on the same target (as tests/gpu/bench_runtime_cuda.py
+    every replayed round gives the trees of the same round run eagerly, so does every replayed catch-up
+    (moespec.spec.draft_graph.StaticCatchUp: the head's output after each accepted path), and greedy
+    eagle3 through them equals greedy ar, after an eager-draft run on the same target (as tests/gpu/bench_runtime_cuda.py
     runs it). (Regression: the first finalize read the ok flags of the capture, which a capture does not
     compute: "root_tokens: expected token ids in [0, 2^31) ..." on an H200.)"""
     from fake_graph import fake_capture
@@ -122,6 +123,7 @@ def test_draft_rounds_replayed_from_a_captured_graph_equal_the_eager_rounds(fold
     want = [o.outputs[0].token_ids for o in LLM(load(folder, "fp32")).generate(prompts, params)]
     monkeypatch.setattr(draft_graph, "capture", fake_capture)
     monkeypatch.setattr(draft_graph.StaticDraftRound, "capture_on", ("cuda", "cpu"))
+    monkeypatch.setattr(draft_graph.StaticCatchUp, "capture_on", ("cuda", "cpu"))
 
     def gpu_like_builder(*args, **kwargs):  # the torch core, its value checks deferred to the finalize
         builder = TreeBuilder(*args, **{**kwargs, "core": "torch"})
@@ -149,13 +151,74 @@ def test_draft_rounds_replayed_from_a_captured_graph_equal_the_eager_rounds(fold
                     for name in ("tokens", "parents", "depth", "mask_words", "paths", "scores"):
                         assert torch.equal(getattr(a, name), getattr(b, name)), name
                 replayed.append(static.graph.replays)
+            for bucket in policy._catch_ups.values():  # the steps' catch-ups: replay == the same call eagerly
+                if bucket.graph is not None and bucket.graph.replays > seen.get(id(bucket), 0):
+                    seen[id(bucket)] = bucket.graph.replays
+                    got = tuple(t.clone() for t in bucket.out)
+                    for a, b in zip(got, bucket._call()):
+                        assert torch.equal(a, b), "a replayed catch-up"
         return [r.output[: params.max_tokens] for r in requests], policy
+
+    seen = {}  # catch-up bucket -> the replays checked
 
     assert generate("0")[0] == want
     outputs, policy = generate("1")
     assert outputs == want and replayed, "no round was replayed"
+    assert seen, "no catch-up was replayed"
     static = policy._static
     logits, hidden = static.logits.clone(), static.hidden.clone()
     with pytest.raises(ValueError, match=r"^root_tokens: expected token ids .*\(checked at finalize"):
         static.run([-3] * batch, logits, hidden)  # a replay writes the round's flags
     assert len(static.run([7] * batch, logits, hidden)) == batch  # and the next replay rewrites them
+
+
+def test_a_static_catch_up_equals_the_eager_one(folder, monkeypatch):
+    """moespec.spec.draft_graph.StaticCatchUp (the step's catch-up, a CUDA graph a (B, T) bucket on a
+    GPU) on the CPU with fake_graph's stand-in for a capture: the same calls on two draft caches, one
+    eager and one through the buckets (captured at their first call, replayed after), give the same
+    head outputs and the same cache entries, bit for bit, call after call: paths of 1-3 entries,
+    padded requests, a request without entries. (Greedy speculation's output cannot tell: it does not
+    depend on what the draft computes.)"""
+    from fake_graph import fake_capture
+    from moespec.spec import draft_graph
+    from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.train import new_head
+
+    target = load(folder, "fp32")
+    head = new_head(target.config, target.weights.embed, None, seed=0)
+    head.native_step = False  # the torch ops, as on a GPU
+    monkeypatch.setattr(importlib.import_module("moespec.ops.linear"), "NATIVE_MAX_ROWS", 0)  # (F.linear)
+    monkeypatch.setattr(draft_graph, "capture", fake_capture)
+    monkeypatch.setattr(draft_graph.StaticCatchUp, "capture_on", ("cuda", "cpu"))
+    monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", "1")
+    assert_static_catch_up_equals_eager(Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=3, top_k=2,
+                                                                                       total_tokens=4)))
+
+
+def assert_static_catch_up_equals_eager(policy) -> None:
+    """The catch-up calls below on two draft caches of ``policy``'s head (on the target's device), one
+    eagerly and one through the static buckets, give the same outputs and cache entries, bit for bit;
+    every bucket is replayed at least once (tests/gpu/test_runtime_cuda.py runs this on CUDA graphs)."""
+    from moespec.spec.policies import Run
+
+    head, dev = policy.head, policy.target.device
+    B, Ht, V = 2, policy.target.config.hidden_size, policy.target.config.vocab_size
+    runs = [Run(None, [0] * B, extra={"draft_cache": head.new_cache(B, 40)}) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    for n in ([2, 2], [3, 1], [1, 3], [2, 2], [3, 1], [0, 2], [1, 1], [3, 3], [1, 3], [1, 0]):
+        T = max(n)
+        tokens = [torch.randint(0, V, (k,), generator=gen).tolist() for k in n]
+        features = tuple(torch.randn(B, T, Ht, generator=gen).to(dev, policy.target.dtype) for _ in range(3))
+        for run, static in zip(runs, (False, True)):
+            policy._catch_up(run, tokens, features, static=static)
+        eager, replayed = (r.extra for r in runs)
+        assert torch.equal(eager["draft_logits"], replayed["draft_logits"]), n
+        assert torch.equal(eager["draft_hidden"], replayed["draft_hidden"]), n
+        a, b = (r.extra["draft_cache"] for r in runs)
+        assert a.lengths == b.lengths
+        for request, length in enumerate(a.lengths):
+            assert torch.equal(a.k[:, request, :, :length], b.k[:, request, :, :length]), n
+            assert torch.equal(a.v[:, request, :, :length], b.v[:, request, :, :length]), n
+    buckets = policy._catch_ups
+    assert sorted(buckets) == [(2, 1), (2, 2), (2, 3)]
+    assert all(b.graph.replays >= 1 for b in buckets.values()), "every bucket replayed at least once"

@@ -1,4 +1,4 @@
-"""EAGLE-3's draft round on static shapes, replayed as a CUDA graph on a GPU.
+"""EAGLE-3's draft round and the step's catch-up on static shapes, replayed as CUDA graphs on a GPU.
 
 A draft round (:meth:`moespec.spec.eagle3_policy.Eagle3Policy._grow`: expand_root, depth - 1 head
 levels over the K frontier nodes, the tree core's finalize) is a fixed sequence of a few hundred
@@ -21,12 +21,22 @@ a graph (tests/python/fake_graph.py), and tests/gpu/test_runtime_cuda.py holds r
 a GPU (an H200 did, 2026-12-04). The default on CUDA; ``MOESPEC_DRAFT_GRAPHS=0`` turns it off,
 ``=1`` runs the static round on the CPU too. The eco policies, whose tree choice runs on the host,
 keep the dynamic round.
+
+The catch-up after a step's verify (:meth:`moespec.spec.eagle3_policy.Eagle3Policy._catch_up`: the
+head over each request's accepted path, at most depth + 1 entries, padded to the longest) is the
+same kind of call: a few dozen kernels whose shapes depend only on (B, T), which an H200 ran in 3.1
+ms of an eagle3 step's 10.4 eagerly (2026-12-04, tests/gpu/bench_runtime_cuda.py "eagle3 step").
+:class:`StaticCatchUp` holds one (draft cache, B, T) bucket of it: the tokens, each request's first
+new slot and the entries' relative slots (-1: padding) arrive in one host-to-device copy, the target
+features of the paths are copied into static buffers, and the head's call replays; its output after
+each request's last entry is cloned out (the next replay rewrites the graph's buffers).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from moespec._tensor import to_device
@@ -75,3 +85,59 @@ class StaticDraftRound:
 
     def _capture(self) -> None:
         self.graph, _ = capture(self._round)
+
+
+def causal_words(B: int, T: int) -> np.ndarray:
+    """int32 [B T, W] mask words of T new entries per request, entry j seeing new entries 0..j."""
+    j = np.arange(T)
+    causal = np.packbits(j[None, :] <= j[:, None], axis=-1, bitorder="little")
+    return np.tile(np.pad(causal, ((0, 0), (0, -causal.shape[1] % 4))).view(np.int32), (B, 1))
+
+
+class StaticCatchUp:
+    """One (draft cache, B requests, T entries) bucket of the step's catch-up on static buffers (see
+    the module docstring): the first call runs eagerly (its result) and, on CUDA, is then captured;
+    later calls copy their inputs in and replay."""
+
+    capture_on = ("cuda",)  # device types whose calls are captured (the CPU tests add "cpu" with a fake graph)
+
+    def __init__(self, policy: "Eagle3Policy", dc: "DraftCache", batch: int, tokens: int,
+                 features: tuple[torch.Tensor, ...]):
+        self.policy, self.dc = policy, dc
+        B, T, dev = batch, tokens, features[0].device
+        self.packed = torch.zeros(2 * B * T + B, dtype=torch.long, device=dev)  # tokens, relative slots, starts
+        self.features = tuple(torch.zeros(B, T, f.shape[-1], dtype=f.dtype, device=dev) for f in features)
+        self.words = to_device(causal_words(B, T), dev)
+        self.rows = torch.arange(B, device=dev)
+        self.graph = None
+        self.out: tuple[torch.Tensor, torch.Tensor] = ()
+
+    def run(self, tokens: list[list[int]], features: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's logits [B, Vd] and hidden state [B, H] after each request's last new entry
+        (tokens[b]: its n_b <= T entries, at least one request with T; features: the 3 target taps
+        [B, T, Ht] aligned with them). Appends the entries' K/V at the cache's lengths (the caller
+        advances them)."""
+        B, T = self.features[0].shape[:2]
+        host = [t + [0] * (T - len(t)) for t in tokens] + [list(range(len(t))) + [-1] * (T - len(t)) for t in tokens]
+        self.packed.copy_(to_device([v for row in host for v in row] + list(self.dc.lengths), self.packed.device,
+                                    torch.long))
+        for static, f in zip(self.features, features):
+            static.copy_(f)
+        if self.graph is not None:
+            self.graph.replay()
+            out = self.out
+        else:
+            out = self._call()
+            if self.packed.device.type in self.capture_on:
+                self.graph, self.out = capture(self._call)
+        return out[0].clone(), out[1].clone()
+
+    def _call(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = self.features[0].shape[:2]
+        tokens, rel = self.packed[:B * T].view(B, T), self.packed[B * T: 2 * B * T].view(B, T)
+        start = self.packed[2 * B * T:]
+        out = self.policy.head.forward_words(self.dc, tokens, self.features, start=start,
+                                             positions=start[:, None] + rel.clamp_min(0), slots=rel,
+                                             words=self.words, span=T, last_only=True)
+        last = ((rel >= 0).sum(1) - 1).clamp_min(0)  # [B] each request's last entry (as forward_words' logits)
+        return out.logits[:, 0], out.hidden[self.rows, last]

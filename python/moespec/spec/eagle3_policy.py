@@ -35,7 +35,7 @@ import torch
 from moespec._loader import native
 from moespec._tensor import to_device
 from moespec.models import TargetModel
-from moespec.spec.draft_graph import StaticDraftRound
+from moespec.spec.draft_graph import StaticCatchUp, StaticDraftRound, causal_words
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
 from moespec.spec.policies import Run, _cache_len, host_single_threaded
 from moespec.spec.sampling import accept, accept_greedy_trees, sample
@@ -63,6 +63,7 @@ class Eagle3Policy:
         flag = os.environ.get("MOESPEC_DRAFT_GRAPHS")
         self.draft_graphs = flag == "1" if flag in ("0", "1") else target.device.type == "cuda"
         self._static: Optional[StaticDraftRound] = None
+        self._catch_ups: dict[tuple, StaticCatchUp] = {}  # the steps' catch-ups of one draft cache by (B, T)
         self.selector = None  # the cost-aware verify-set choice of the eco policies (None: EAGLE-2's)
         if config.spec.selector == "cost_aware":
             from moespec.cost.step_cost import shape_from_config
@@ -119,36 +120,45 @@ class Eagle3Policy:
         self._catch_up(run, next_tokens, out.hidden)
         return run
 
-    def _catch_up(self, run: Run, next_tokens: list[list[int]], features) -> None:
+    def _catch_up(self, run: Run, next_tokens: list[list[int]], features, static: bool = False) -> None:
         """Appends entries to the draft cache (tokens [B][n_b], features: the 3 target taps [B, T, Ht]
-        aligned with them) and keeps the head's output at each request's last new entry."""
+        aligned with them) and keeps the head's output at each request's last new entry. ``static``
+        (a step's catch-up, with draft graphs, on the device): through a :class:`StaticCatchUp` bucket
+        (a CUDA graph on a GPU)."""
         dc = run.extra["draft_cache"]
         num = [len(t) for t in next_tokens]
-        T = max(num)
+        B, T = len(num), max(num)
         dev = self.target.device
-        tokens = to_device([t + [0] * (T - len(t)) for t in next_tokens], dev)  # [B, T]
         native = self.head.runs_natively(dc)
-        if T > 0 and (min(num) == T or not native):  # the native step's terms: mask words, entry j sees new 0..j
-            j = np.arange(T)
-            causal = np.packbits(j[None, :] <= j[:, None], axis=-1, bitorder="little")
-            causal = np.tile(np.pad(causal, ((0, 0), (0, -causal.shape[1] % 4))).view(np.int32), (len(num), 1))
-            if native:  # every request T entries
-                lengths = np.asarray(dc.lengths, dtype=np.int64)[:, None]
-                out = self.head.forward_native(dc, tokens, self.head.features(features), lengths + j,
-                                               np.broadcast_to(j, (len(num), T)), causal, last_only=True)
-            else:  # on the device: attention over the accepted prefix and the new entries only; padding (-1)
-                start = to_device(dc.lengths, dev, torch.long)  # entries write the discard slot
-                rel = to_device([[i if i < n else -1 for i in range(T)] for n in num], dev, torch.long)
-                out = self.head.forward_words(dc, tokens, features, start=start, positions=start[:, None] +
-                                              rel.clamp_min(0), slots=rel, words=to_device(causal, dev), span=T,
-                                              last_only=True)
+        if T > 0 and not native and static and self.draft_graphs:
+            if any(b.dc is not dc for b in self._catch_ups.values()):
+                self._catch_ups.clear()  # a new run's cache: the old buckets (and the old cache) go
+            bucket = self._catch_ups.get((B, T))
+            if bucket is None:
+                bucket = self._catch_ups[(B, T)] = StaticCatchUp(self, dc, B, T, features)
+            logits, hidden = bucket.run(next_tokens, features)
         else:
-            step = dc.append_inputs(num)
-            out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible,
-                            last_only=True)
+            tokens = to_device([t + [0] * (T - len(t)) for t in next_tokens], dev)  # [B, T]
+            if T > 0 and (min(num) == T or not native):  # the native step's terms: mask words, entry j sees new 0..j
+                causal = causal_words(B, T)
+                j = np.arange(T)
+                if native:  # every request T entries
+                    lengths = np.asarray(dc.lengths, dtype=np.int64)[:, None]
+                    out = self.head.forward_native(dc, tokens, self.head.features(features), lengths + j,
+                                                   np.broadcast_to(j, (B, T)), causal, last_only=True)
+                else:  # on the device: attention over the accepted prefix and the new entries only; padding (-1)
+                    start = to_device(dc.lengths, dev, torch.long)  # entries write the discard slot
+                    rel = to_device([[i if i < n else -1 for i in range(T)] for n in num], dev, torch.long)
+                    out = self.head.forward_words(dc, tokens, features, start=start, positions=start[:, None] +
+                                                  rel.clamp_min(0), slots=rel, words=to_device(causal, dev), span=T,
+                                                  last_only=True)
+            else:
+                step = dc.append_inputs(num)
+                out = self.head(dc, tokens, features, positions=step.positions, slots=step.slots, visible=step.visible,
+                                last_only=True)
+            last = to_device([max(n - 1, 0) for n in num], dev)
+            logits, hidden = out.logits[:, 0], out.hidden[torch.arange(B, device=dev), last]  # [B, Vd], [B, H]
         dc.advance(num)
-        last = to_device([max(n - 1, 0) for n in num], dev)
-        logits, hidden = out.logits[:, 0], out.hidden[torch.arange(len(num), device=dev), last]  # [B, Vd], [B, H]
         if min(num) == 0 and "draft_logits" in run.extra:  # requests without new entries keep their previous output
             keep = to_device([n > 0 for n in num], dev)[:, None]
             logits = torch.where(keep, logits, run.extra["draft_logits"])
@@ -178,7 +188,8 @@ class Eagle3Policy:
                 n = trees[b].num_nodes
                 accepted[b] = accept(trees[b].tokens.tolist(), parents[b], out.logits[b, :n], r.params, r.generator)
         self.target.commit(run.cache, [a.path if a else [] for a in accepted])
-        self._catch_up(run, [a.tokens if a else [] for a in accepted], self._path_features(out.hidden, accepted))
+        self._catch_up(run, [a.tokens if a else [] for a in accepted], self._path_features(out.hidden, accepted),
+                       static=True)
         if self.selector is not None:  # what the step cost besides its verify pass prices the next tree
             live = [b for b in range(len(batch)) if active[b]]
             self.selector.observe_step(time.perf_counter() - clock - verify_s, [trees[b] for b in live],
