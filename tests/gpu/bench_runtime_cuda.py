@@ -193,6 +193,8 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; model {LAYERS} layers, dense "
           f"{dense / 1e6:.0f} MB, {expert_bytes / 1e6:.1f} MB per expert")
     rows = []
+    results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows}
+    save = partial_saver(results)  # (after every row: a step stopped by its time limit keeps what ran)
     for T in (1, 2, 4, 8, 16, 32, 64):
         for B in (None, 16, 32, 64):
             if B is not None and T * K <= B:
@@ -242,6 +244,7 @@ def main() -> int:
                   f"{t_moe_four * 1e3:7.3f}, torch's projections {t_torch_linear * 1e3:7.3f} ms; "
                   f"host {host * 1e3:6.3f} ms a call), "
                   f"{kept:6.1f} experts/layer, roofline {roof * 1e3:6.3f} ms (graphs {t_graph / roof:5.2f}x)")
+            save()
     x = torch.randn(16, H, device=CUDA).to(torch.bfloat16)
     router = m.weights.layers[0].router
     spec = RouterSpec("softmax", K, True)
@@ -258,26 +261,41 @@ def main() -> int:
     layer_ms = next(r["graphs_ms"] for r in rows if r["T"] == 16 and r["budget"] == 32) / LAYERS
     print(f"routing + budget (T=16, B=32, in a graph): {t_route * 1e6:.1f} us = {100 * t_route * 1e3 / layer_ms:.1f}% "
           f"of a verify layer ({layer_ms:.3f} ms); four launches: {t_route_4 * 1e6:.1f} us")
-    kernels = {T: kernel_table(m, cache, T) for T in (1, 16)}
-    rounds = {f"B={B} {core}": draft_round_ms(B, core) for B in (1, 8) for core in ("torch", "native")}
+    results.update(route_us=t_route * 1e6, route_four_launches_us=t_route_4 * 1e6, layer_ms=layer_ms)
+    save()
+    results["kernels"] = {T: kernel_table(m, cache, T) for T in (1, 16)}
+    save()
+    rounds = results["draft_round_ms"] = {f"B={B} {core}": draft_round_ms(B, core) for B in (1, 8)
+                                          for core in ("torch", "native")}
+    save()
     print("draft round (top-k 8, depth 6, 32 nodes; wall clock, synchronised): "
           + ", ".join(f"{k} {v:.3f} ms" for k, v in rounds.items()))
-    step_parts = {}
+    step_parts = results["eagle3_step_ms"] = {}
     for flag, label in (("0", "eager draft"), ("1", "draft graphs")):  # (MOESPEC_DRAFT_GRAPHS: read by the policy)
         os.environ["MOESPEC_DRAFT_GRAPHS"] = flag
         step_parts[label] = eagle3_step_parts(m)
         print(f"eagle3 step (depth 4, top-k 4, 8 nodes, graphs backend, {label}): "
               + ", ".join(f"{k} {v:.3f} ms" for k, v in step_parts[label].items()))
+        save()
     os.environ.pop("MOESPEC_DRAFT_GRAPHS")
-    out = os.environ.get("OUT")
-    if out:
-        path = pathlib.Path(out) / "runtime_bench.json"
-        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows,
-                                    "route_us": t_route * 1e6, "route_four_launches_us": t_route_4 * 1e6,
-                                    "layer_ms": layer_ms, "kernels": kernels, "draft_round_ms": rounds,
-                                    "eagle3_step_ms": step_parts}, indent=1))
-        print(f"wrote {path}")
+    if save():
+        print(f"wrote {pathlib.Path(os.environ['OUT']) / 'runtime_bench.json'}")
     return 0
+
+
+def partial_saver(results: dict):
+    """A function that writes ``results`` to $OUT/runtime_bench.json atomically (when OUT is set;
+    returns whether it wrote)."""
+    def save() -> bool:
+        out = os.environ.get("OUT")
+        if not out:
+            return False
+        path = pathlib.Path(out) / "runtime_bench.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        tmp.replace(path)
+        return True
+    return save
 
 
 if __name__ == "__main__":

@@ -65,9 +65,12 @@ step() {  # step <name> <log file> <seconds> <command...>: runs it (stopped afte
 # The paths measured on 2026-12-04, each newer piece switched off (README "On CUDA"): a timing that
 # fails on the defaults runs once more this way, so that one broken kernel still leaves the tables.
 FALLBACK=(MOESPEC_PDL=0 MOESPEC_MOE_FUSED=0 MOESPEC_FUSED_STEP=0 MOESPEC_ROUTE_FUSED=0 MOESPEC_CUDA_LINEAR=0)
-timing() {  # timing <name> <log file> <seconds> <script>
+timing() {  # timing <name> <log file> <seconds> <script> [<its JSON in $LOGS>]
   step "timing: $1" "$2" "$3" env PYTHONPATH=python "$PY" "$4"
   if (( ok == 0 )); then
+    if [[ -n "${5:-}" && -f "$LOGS/$5" ]]; then  # what the defaults wrote before failing stays, beside
+      mv "$LOGS/$5" "$LOGS/${5%.json}.defaults-partial.json"
+    fi
     step "timing: $1 (fallback: ${FALLBACK[*]})" "$2" "$3" env "${FALLBACK[@]}" PYTHONPATH=python "$PY" "$4"
   fi
 }
@@ -78,9 +81,9 @@ for file in tests/gpu/test_*.py; do  # one process a file: a crash in one does n
   step "GPU tests ($file)" pytest.log 120 env PYTHONPATH=python "$PY" -m pytest -q -p no:cacheprovider --durations=5 "$file"
 done
 timing "route_experts" bench.log 45 tests/gpu/bench_route_experts_cuda.py
-timing "moe_experts" bench_moe.log 110 tests/gpu/bench_moe_experts_cuda.py
-timing "linear" bench_linear.log 45 tests/gpu/bench_linear_cuda.py
-timing "runtime steps" bench_runtime.log 170 tests/gpu/bench_runtime_cuda.py
+timing "moe_experts" bench_moe.log 110 tests/gpu/bench_moe_experts_cuda.py moe_experts_bench.json
+timing "linear" bench_linear.log 45 tests/gpu/bench_linear_cuda.py linear_bench.json
+timing "runtime steps" bench_runtime.log 170 tests/gpu/bench_runtime_cuda.py runtime_bench.json
 step "hardware profile" profile.log 45 "$PY" tests/gpu/measure_profile.py
 
 if [[ $status == 0 ]]; then log "all passed; logs in $LOGS"; else log "FAILED (see above); logs in $LOGS"; fi
