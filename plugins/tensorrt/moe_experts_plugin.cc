@@ -36,6 +36,7 @@ MoeExpertsArgs make_args(const MoeExpertsFields& f, const PluginTensorDesc* in, 
   args.activation = static_cast<ExpertActivation>(f.activation);
   args.limit = f.limit;
   args.alpha = f.alpha;
+  args.round_weights = f.round_weights != 0;
   return args;
 }
 
@@ -63,6 +64,7 @@ void MoeExpertsFields::validate() const {
                     limit, " and ", alpha);
   MOESPEC_CHECK_ARG(has_biases == 0 || has_biases == 1, "has_biases", "must be 0 or 1, got ", has_biases);
   MOESPEC_CHECK_ARG(has_biases == 0 || activation == 1, "has_biases", "only activation 1 (GPT-OSS) takes biases");
+  MOESPEC_CHECK_ARG(round_weights == 0 || round_weights == 1, "round_weights", "must be 0 or 1, got ", round_weights);
 }
 
 // ---- MoeExpertsPlugin ----------------------------------------------------------------------------

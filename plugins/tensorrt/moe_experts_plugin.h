@@ -12,6 +12,9 @@
 //   activation         0 SwiGLU (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3), 1 GPT-OSS's clamped variant
 //   limit, alpha       FLOAT32, GPT-OSS's clamp and sigmoid slope (defaults 7, 1.702)
 //   has_biases         0 | 1: input `biases` is present (GPT-OSS only)
+//   round_weights      0 | 1: each routing weight is rounded to x's dtype where it is read (the
+//                      families whose router rounds its weights to the model dtype: Qwen3-MoE,
+//                      OLMoE, GPT-OSS), as moespec::moe_experts' round_weights (default 0)
 // Serialization is these same fields.
 #pragma once
 
@@ -44,6 +47,7 @@ struct MoeExpertsFields {
   float limit = 7.0f;
   float alpha = 1.702f;
   int32_t has_biases = 0;
+  int32_t round_weights = 0;
 
   template <typename F, typename Visit>
   static void visit(F& f, Visit&& v) {
@@ -52,6 +56,7 @@ struct MoeExpertsFields {
     v("limit", f.limit);
     v("alpha", f.alpha);
     v("has_biases", f.has_biases);
+    v("round_weights", f.round_weights);
   }
   void validate() const;
   int32_t nb_inputs() const { return 4 + has_biases; }

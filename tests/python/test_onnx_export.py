@@ -262,6 +262,31 @@ def test_moe_reference_equals_the_semantics(T, E, K, H, I, activation, seed):
     np.testing.assert_allclose(out, want.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_moe_reference_rounds_the_weights_to_x_dtype_with_round_weights():
+    """round_weights: each routing weight rounded to x's dtype where it is read (the plugin's field, as
+    moe_experts' round_weights). In float16 a weight of 1e-9 rounds to 0, which drops an expert whose
+    output is ~1e8: a difference of ~0.1 in the output, where the rest is ~1."""
+    H = I = 4
+    x = np.ones((1, H), dtype=np.float16)
+    small = np.full(3 * I * H, 0.01, dtype=np.float16)  # y ~ 1e-3 .. 1
+    large = np.concatenate([np.full(I * H, 10.0), np.full(I * H, 375.0), np.full(H * I, 500.0)]).astype(np.float16)
+    experts = np.stack([small, large])  # expert 1: h = silu(40) * 1500 = 60000, y = 4 * 500 * 60000 = 1.2e8
+    ids = np.array([[0, 1]], dtype=np.int32)
+    weights = np.array([[0.5, 1e-9]], dtype=np.float32)
+    inputs = [("x", TensorProto.FLOAT16, [1, H]), ("ids", TensorProto.INT32, [1, 2]),
+              ("weights", TensorProto.FLOAT, [1, 2]), ("experts", TensorProto.FLOAT16, [2, 3 * I * H])]
+    feeds = {"x": x, "ids": ids, "weights": weights, "experts": experts}
+    outs = {}
+    for flag in (False, True):
+        sess = function_model(MOE, inputs, [("out", TensorProto.FLOAT16, [1, H])], moe_fields(I, round_weights=flag))
+        outs[flag] = sess.run(None, feeds)[0].astype(np.float64)
+    x32, e32 = torch.from_numpy(x.astype(np.float32)), torch.from_numpy(experts.astype(np.float32))
+    for flag, w in ((False, weights), (True, weights.astype(np.float16).astype(np.float32))):  # (1e-9 -> 0)
+        want = moe_experts_reference(x32, torch.from_numpy(ids), torch.from_numpy(w), e32, I)
+        np.testing.assert_allclose(outs[flag], want.numpy(), rtol=2e-3)
+    assert (outs[False] - outs[True]).min() > 0.05, "the 1e-9 weight counts only unrounded"
+
+
 # ---- moespec build --backend tensorrt ------------------------------------------------------------------
 
 

@@ -42,7 +42,7 @@ Fields swiglu() {
 Fields gpt_oss() {
   Fields f;
   f.i32("intermediate_size", static_cast<int32_t>(I)).i32("activation", 1).f32("limit", 1.5f);
-  f.f32("alpha", 1.25f).i32("has_biases", 1);
+  f.f32("alpha", 1.25f).i32("has_biases", 1).i32("round_weights", 1);
   return f;
 }
 
@@ -62,9 +62,9 @@ TEST(creator_metadata_and_identity) {
   CHECK(std::string(c.getPluginName()) == "MoespecBudgetedMoe");
   CHECK(std::string(c.getPluginVersion()) == "1" && std::string(c.getPluginNamespace()) == "moespec");
   const PluginFieldCollection* names = c.getFieldNames();
-  CHECK(names != nullptr && names->nbFields == 5);
-  const char* expected[] = {"intermediate_size", "activation", "limit", "alpha", "has_biases"};
-  for (int i = 0; names != nullptr && i < names->nbFields && i < 5; ++i) {
+  CHECK(names != nullptr && names->nbFields == 6);
+  const char* expected[] = {"intermediate_size", "activation", "limit", "alpha", "has_biases", "round_weights"};
+  for (int i = 0; names != nullptr && i < names->nbFields && i < 6; ++i) {
     CHECK_MSG(std::string(names->fields[i].name) == expected[i], names->fields[i].name);
     CHECK(names->fields[i].data == nullptr && names->fields[i].length == 1);
   }
@@ -129,13 +129,14 @@ TEST(serialization_round_trip_and_clone) {
   CHECK(p != nullptr);
   if (!p) return;
   const PluginFieldCollection* saved = runtime_of(*p)->getFieldsToSerialize();
-  CHECK(saved != nullptr && saved->nbFields == 5);
+  CHECK(saved != nullptr && saved->nbFields == 6);
   auto back = std::unique_ptr<IPluginV3>(creator().createPlugin("moe0", saved, TensorRTPhase::kRUNTIME));
   CHECK(back != nullptr);
   if (!back) return;
   const MoeExpertsFields& a = dynamic_cast<MoeExpertsPlugin&>(*p).fields();
   const MoeExpertsFields& c = dynamic_cast<MoeExpertsPlugin&>(*back).fields();
-  CHECK(a == c && c.activation == 1 && c.limit == 1.5f && c.alpha == 1.25f && c.has_biases == 1);
+  CHECK(a == c && c.activation == 1 && c.limit == 1.5f && c.alpha == 1.25f && c.has_biases == 1 &&
+        c.round_weights == 1);
   std::string why;
   CHECK_MSG(same_fields(*saved, *runtime_of(*back)->getFieldsToSerialize(), &why), why);
   auto copy = std::unique_ptr<IPluginV3>(p->clone());
@@ -152,6 +153,8 @@ TEST(bad_fields_are_refused_by_name) {
   activation.i32("activation", 2);
   Fields biases = swiglu();
   biases.i32("has_biases", 1);  // SwiGLU takes none
+  Fields round = swiglu();
+  round.i32("round_weights", 2);
   Fields unknown = swiglu();
   unknown.i32("top_k", 2);
   Fields twice = swiglu();
@@ -159,7 +162,8 @@ TEST(bad_fields_are_refused_by_name) {
   Fields type;
   type.f32("intermediate_size", 32.0f);
   Bad cases[] = {{missing, "intermediate_size"}, {activation, "activation"}, {biases, "has_biases"},
-                 {unknown, "top_k"},             {twice, "more than once"},  {type, "expected type INT32"}};
+                 {round, "round_weights"},       {unknown, "top_k"},         {twice, "more than once"},
+                 {type, "expected type INT32"}};
   for (Bad& c : cases) {
     moespec::trt::clear_last_error();
     CHECK_MSG(create(c.fields.collection()) == nullptr, c.names);

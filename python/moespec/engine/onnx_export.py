@@ -210,13 +210,12 @@ class _Exporter:
         ids, weights, _active, stats = plugin_node(g, ROUTE, route_in, 4,
                                                    route_fields(moe.router, self.budget and self.budget.for_layer(moe_index),
                                                                 has_bias=len(route_in) > 1))
-        if moe.weights_in_model_dtype and self.dt != F32:  # rounded as the family's router rounds them
-            weights = g.op("Cast", g.op("Cast", weights, to=self.dt), to=F32)
         moe_in = [flat, ids, weights, g.weight(p + "experts", layer.experts)]
         if layer.expert_biases is not None:
             moe_in.append(g.op("Cast", g.weight(p + "expert_biases", layer.expert_biases), to=F32))
-        (out,) = plugin_node(g, MOE, moe_in, 1, moe_fields(moe.intermediate_size, moe.activation,
-                                                           moe.swiglu_limit, moe.swiglu_alpha, len(moe_in) > 4))
+        (out,) = plugin_node(g, MOE, moe_in, 1, moe_fields(  # weights rounded as the family's router rounds them
+            moe.intermediate_size, moe.activation, moe.swiglu_limit, moe.swiglu_alpha, len(moe_in) > 4,
+            round_weights=moe.weights_in_model_dtype and self.dt != F32))
         if layer.shared_down is not None:
             shared = self.swiglu(flat, p + "shared_", layer.shared_gate_up, layer.shared_down)
             if layer.shared_gate is not None:  # (Qwen2-MoE; DeepSeek-V3's shared experts are ungated)

@@ -45,7 +45,7 @@ PLUGIN_VERSION = "1"
 # Field names, in the plugins' serialization order (plugins/tensorrt/*_plugin.h).
 ROUTE_FIELDS = ("family", "top_k", "renormalize", "n_group", "topk_group", "scaling", "max_experts", "policy",
                 "coverage", "has_bias", "has_token_weights", "softmax_vector_width", "score")
-MOE_FIELDS = ("intermediate_size", "activation", "limit", "alpha", "has_biases")
+MOE_FIELDS = ("intermediate_size", "activation", "limit", "alpha", "has_biases", "round_weights")
 _PLUGIN_ATTRS = ("plugin_namespace", "plugin_version")
 _ACTIVATION_NAMES = {code: name for name, code in _ACTIVATION_CODES.items()}  # the activation field's codes
 _FAMILY_NAMES = {code: name for name, code in _FAMILY_CODES.items()}  # the family field's codes
@@ -62,11 +62,12 @@ def route_fields(spec: RouterSpec, budget: Optional[ExpertBudget], has_bias: boo
 
 
 def moe_fields(intermediate_size: int, activation: str = "swiglu", limit: float = 7.0, alpha: float = 1.702,
-               has_biases: bool = False) -> dict[str, object]:
+               has_biases: bool = False, round_weights: bool = False) -> dict[str, object]:
     """MoespecBudgetedMoe's fields for experts of ``intermediate_size`` ("swiglu", or "gpt_oss": the
-    clamped variant with ``limit`` and ``alpha``; ``has_biases``: the experts' biases come as input 5)."""
+    clamped variant with ``limit`` and ``alpha``; ``has_biases``: the experts' biases come as input 5;
+    ``round_weights``: each routing weight rounded to x's dtype first, as moe_experts' round_weights)."""
     return {"intermediate_size": intermediate_size, "activation": _ACTIVATION_CODES[activation], "limit": float(limit),
-            "alpha": float(alpha), "has_biases": int(has_biases)}
+            "alpha": float(alpha), "has_biases": int(has_biases), "round_weights": int(round_weights)}
 
 
 def plugin_node(g: Graph, name: str, inputs: list[str], outputs: int, fields: dict[str, object]) -> list[str]:
@@ -222,7 +223,9 @@ def _moe_function(activation: str) -> onnx.FunctionProto:
         y = g.op("Add", y, g.op("Unsqueeze", b_down, g.const([1])))
     onehot = g.op("OneHot", g.op("Cast", ids, to=TensorProto.INT64), g.op("Add", e1, g.const([1])),
                   g.const([0.0, 1.0], f32), axis=-1)  # [T, K, E + 1]
-    combine = g.op("ReduceSum", g.op("Mul", onehot, g.op("Unsqueeze", weights, g.const([2]))), g.const([1]),
+    rounded = g.op("Cast", g.op("CastLike", weights, x), to=f32)  # (round_weights: to x's dtype, as read)
+    used = g.op("Where", g.op("Equal", g.attr_const("round_weights"), g.const(1)), rounded, weights)
+    combine = g.op("ReduceSum", g.op("Mul", onehot, g.op("Unsqueeze", used, g.const([2]))), g.const([1]),
                    keepdims=0)  # [T, E + 1]
     combine = g.op("Slice", combine, g.const([0]), e1, g.const([1]))  # [T, E]
     out = g.op("ReduceSum", g.op("Mul", g.op("Unsqueeze", g.op("Transpose", combine, perm=[1, 0]), g.const([2])), y),
