@@ -127,9 +127,9 @@ def _tree(tokens: list[int], parents: list[int]):
 @given(st.lists(st.one_of(st.none(), st.integers(1, 14)), min_size=1, max_size=4), st.integers(0, 2**31 - 1),
        st.booleans())
 def test_batched_greedy_acceptance_equals_the_walk(sizes, seed, on_host):
-    """accept_greedy_trees (vectorised, one copy back; or walked on the host) gives each tree exactly
-    accept()'s greedy path and tokens: duplicate sibling tokens (the lowest-index child wins), unequal
-    sizes, requests without a tree."""
+    """accept_greedy_trees (the argmax and packing as on a GPU, one copy back; or the host argmax)
+    gives each tree exactly accept()'s greedy path and tokens: duplicate sibling tokens (the
+    lowest-index child wins), unequal sizes, requests without a tree."""
     from moespec.spec.sampling import accept_greedy_trees
 
     g = torch.Generator().manual_seed(seed)

@@ -161,46 +161,37 @@ def _greedy_walk(tokens: Sequence[int], parents: Sequence[int], choice: Sequence
 
 def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Tensor,
                         on_host: Optional[bool] = None) -> list[Optional[Acceptance]]:
-    """Greedy acceptance of a batch of verified trees where the logits are (the GPU: no host work per
-    node, one copy back per call): ``trees[b]`` request b's tree (None: not verified), ``logits``
-    [B, T, V] the verify pass's (row i of request b: after node i). The same paths and tokens as
-    :func:`accept` with greedy params gives for each tree: at each depth the lowest-index child of
-    the path's last node whose token is the target's argmax there. ``on_host`` (default: for CPU
-    logits) walks the trees in Python after one argmax, ~3x faster than the tensor walk's dozen
-    small ops on a CPU (0.3 against 0.9 ms a step of the default engine)."""
+    """Greedy acceptance of a batch of verified trees: ``trees[b]`` request b's tree (None: not
+    verified), ``logits`` [B, T, V] the verify pass's (row i of request b: after node i). The same
+    paths and tokens as :func:`accept` with greedy params gives for each tree: at each depth the
+    lowest-index child of the path's last node whose token is the target's argmax there.
+
+    One argmax where the logits are and one copy back (the choices [B, T], and the tokens and
+    parents of the trees that live on the logits' device, in one buffer), then each tree is walked on
+    the host (a few dozen Python steps). Until 2026-12-05 a GPU walked the trees in ~40 small tensor
+    ops, 1.1 ms of an H200's eagle3 step (tests/gpu/bench_runtime_cuda.py "accept"); on a CPU the
+    host walk was already ~3x faster than that tensor walk. ``on_host`` (default: for CPU logits):
+    the argmax through numpy (:func:`greedy_choice`) and the trees read as they are; False: the
+    argmax and the packing as on a GPU, wherever the logits are."""
     live = [t for t in trees if t is not None]
     if not live:
         return [None] * len(trees)
-    if logits.device.type == "cpu" if on_host is None else on_host:
-        choice = greedy_choice(logits).tolist()  # [B][T] (the one copy back)
-        return [None if t is None else _greedy_walk(t.tokens.tolist(), t.parents.tolist(), choice[b])
-                for b, t in enumerate(trees)]
-    B, T, dev = len(trees), logits.shape[1], logits.device
-    where = live[0].tokens.device  # the trees' (the builder's) device: the host, or the GPU's buffers
-    tokens = torch.zeros(B, T, dtype=torch.long, device=where)
-    parents = torch.full((B, T), -2, dtype=torch.long, device=where)  # -2: no node (matches no path node)
-    for b, t in enumerate(trees):
-        if t is not None:
-            tokens[b, : t.num_nodes], parents[b, : t.num_nodes] = t.tokens, t.parents.long()
-    depth = max(t.paths.shape[1] - 1 for t in live)  # the deepest tree's depth (a shape: no sync)
-    tokens, parents = tokens.to(dev, non_blocking=True), parents.to(dev, non_blocking=True)
-    choice = greedy_choice(logits)  # [B, T]
-    index = torch.arange(T, device=dev)[None, :]
-    match = (parents >= 0) & (tokens == choice.gather(1, parents.clamp(min=0)))  # [B, T]
-    node = torch.zeros(B, 1, dtype=torch.long, device=dev)  # the path's last node
-    path = [node]
-    for _ in range(depth):
-        child = torch.where(match & (parents == node), index, T).min(dim=1, keepdim=True).values  # [B, 1]
-        node = torch.where(child < T, child, node)
-        path.append(torch.where(child < T, child, -1))
-    path = torch.cat(path, dim=1)  # [B, depth + 1], -1 past the end
-    emitted = torch.cat([tokens.gather(1, path[:, 1:].clamp(min=0)), choice.gather(1, node)], dim=1)
-    host = torch.cat([path, emitted], dim=1).cpu().tolist()  # the one copy back
+    B, T = len(trees), logits.shape[1]
+    host_side = logits.device.type == "cpu" if on_host is None else on_host
+    choice = greedy_choice(logits) if host_side else logits.max(dim=-1).indices  # [B, T]
+    packed = [] if host_side else [t for t in live if t.tokens.device == logits.device]
+    flat = torch.cat([choice.reshape(-1).long()] + [x.reshape(-1).long() for t in packed
+                                                    for x in (t.tokens, t.parents)]).tolist()  # the one copy back
+    lists, at = {}, B * T
+    for t in packed:
+        n = t.tokens.numel()
+        lists[id(t)] = (flat[at: at + n], flat[at + n: at + 2 * n])
+        at += 2 * n
     out: list[Optional[Acceptance]] = []
-    for b, row in enumerate(host):
-        if trees[b] is None:
+    for b, t in enumerate(trees):
+        if t is None:
             out.append(None)
             continue
-        n = next((i for i, v in enumerate(row[: depth + 1]) if v < 0), depth + 1)  # accepted nodes, root included
-        out.append(Acceptance(row[:n], row[depth + 1: depth + n] + [row[2 * depth + 1]]))
+        tokens, parents = lists[id(t)] if id(t) in lists else (t.tokens.tolist(), t.parents.tolist())
+        out.append(_greedy_walk(tokens, parents, flat[b * T: (b + 1) * T]))
     return out
