@@ -37,6 +37,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 
 #include "device_common.cuh"
 #include "moespec/detail/route_math.h"
@@ -683,10 +685,14 @@ __global__ void __launch_bounds__(kFusedThreads) fused_route_kernel(Params p) {
   active_block(p);
 }
 
-// MOESPEC_ROUTE_FUSED=0 takes the four-launch path at every size (to compare the two).
+// MOESPEC_ROUTE_FUSED=0 takes the four-launch path at every size (to compare the two); unset or 1:
+// the fused kernel where it fits; anything else is an error naming the variable.
 bool fused_allowed() {
   const char* flag = std::getenv("MOESPEC_ROUTE_FUSED");
-  return flag == nullptr || flag[0] != '0';
+  if (flag == nullptr || std::strcmp(flag, "1") == 0) return true;
+  MOESPEC_CHECK_ARG(std::strcmp(flag, "0") == 0, "MOESPEC_ROUTE_FUSED", "expected '1' or '0', got '",
+                    std::string(flag), "'");
+  return false;
 }
 
 // ---------------------------------------------------------------------------------------------
