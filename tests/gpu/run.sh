@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: build moespec with its CUDA kernels, run the C++
 # tests, the GPU tests (CUDA against the CPU reference, tests/gpu/test_*.py), the timing tables
-# of route_experts, moe_experts and the runtime's steps (tests/gpu/bench_*_cuda.py) and the GPU's
+# of route_experts, moe_experts, linear and the runtime's steps (tests/gpu/bench_*_cuda.py), the GPU's
 # hardware profile for `moespec analyze` (tests/gpu/measure_profile.py -> tests/gpu/profiles/<name>.json;
-# commit it).
+# commit it) and MLA's two forms (python -m moespec.bench.mla --device cuda -> mla.json).
 # DESIGN.md "What can run where".
 #
 #   tests/gpu/run.sh
@@ -85,6 +85,10 @@ timing "moe_experts" bench_moe.log 110 tests/gpu/bench_moe_experts_cuda.py moe_e
 timing "linear" bench_linear.log 45 tests/gpu/bench_linear_cuda.py linear_bench.json
 timing "runtime steps" bench_runtime.log 170 tests/gpu/bench_runtime_cuda.py runtime_bench.json
 step "hardware profile" profile.log 45 "$PY" tests/gpu/measure_profile.py
+# MLA's two forms on a DeepSeek-V3 attention layer (README "Target models": the absorbed form); last,
+# as the least needed of the tables
+step "timing: MLA forms" bench_mla.log 40 env PYTHONPATH=python "$PY" -m moespec.bench.mla --device cuda \
+  --contexts 1024 4096 16384 --tokens 1 16 --repeats 3 --out "$LOGS"
 
 if [[ $status == 0 ]]; then log "all passed; logs in $LOGS"; else log "FAILED (see above); logs in $LOGS"; fi
 exit $status

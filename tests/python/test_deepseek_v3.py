@@ -2,7 +2,8 @@
 random checkpoints written by transformers (one dense layer then MoE layers with a shared expert, 16
 experts in 4 groups with 2 kept, a random correction bias, MLA with and without the q rank,
 interleaved rope, YaRN with mscale), eager attention and experts as the reference. fp32 logits
-within 1e-4 of the logit scale; the cache holds the latent and the rope key only."""
+within 1e-4 of the logit scale; the cache holds the latent and the rope key only; both forms of MLA
+(absorbed: decode and verify; expanded: prefill) each against transformers."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from models_fixtures import (
 from moespec.models import load
 from moespec.ops import ExpertBudget, RouterSpec
 from moespec.ops.reference import route_experts_reference
+from moespec.runtime import attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 E, K, R, ROPE = 16, 4, 32, 8
@@ -70,6 +72,44 @@ def test_bf16_prefill_and_decode_within_bf16_rounding(folder):
     """bf16 within 3e-2 of the logit scale (transformers keeps the router and its bias in float32 where
     moespec holds them in bf16, and sums the experts' matmuls in bf16)."""
     check_prefill_and_decode(load(folder, "bf16", taps=(1,)), reference(folder, torch.bfloat16), PROMPT, tol=3e-2)
+
+
+@pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
+def test_each_mla_form_equals_transformers(folder, monkeypatch, absorbed):
+    """Prefill and decode with MLA in one form throughout: absorbed (kv_b's key part folded into the
+    queries, its value part applied to the heads' outputs: one attention over the cached latent) or
+    expanded (transformers' own: keys and values of every head from every slot); fp32 within 1e-4 and
+    bf16 within its rounding of transformers."""
+    monkeypatch.setattr(attention, "mla_absorbed", lambda c, T, S: absorbed)
+    check_prefill_and_decode(load(folder, "fp32", taps=(1,)), reference(folder), PROMPT)
+    check_prefill_and_decode(load(folder, "bf16", taps=(1,)), reference(folder, torch.bfloat16), PROMPT, tol=3e-2)
+
+
+def test_decode_and_verify_attend_over_the_latent_without_expanding_it(folder, monkeypatch):
+    """The form by multiplies: decode and tree verify (T << S) absorbed, a prefill expanded; an
+    absorbed step never applies kv_b to the cache (the expanded form's S-slot projection), a prefill
+    does."""
+    model = load(folder, "fp32")
+    c = model.config
+    assert attention.mla_absorbed(c, 1, 11) and attention.mla_absorbed(c, 8, 64)
+    assert not attention.mla_absorbed(c, len(PROMPT), len(PROMPT))
+    kv_b = {layer.kv_b.data_ptr() for layer in model.weights.layers}
+    expansions = []
+    plain = attention.linear
+
+    def recording(x, weight, *args, **kwargs):
+        if weight.data_ptr() in kv_b:
+            expansions.append(x.shape[-2])
+        return plain(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "linear", recording)
+    cache = model.new_cache(1, 64)
+    model.prefill(cache, [PROMPT])
+    assert expansions == [len(PROMPT)] * c.num_layers  # each layer expands the prompt's slots once
+    expansions.clear()
+    model.decode(cache, [5])
+    model.verify(cache, [[5, 6, 7, 8]], [[-1, 0, 0, 1]])
+    assert expansions == []
 
 
 def test_tree_verify_equals_path_decoding_and_commit(folder):
@@ -157,3 +197,25 @@ def test_cost_catalogue_counts_the_parsed_config(folder):
     assert shape.attention_type == "mla" and shape.dense_layers == 1
     biases = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
     assert shape.total_params == sum(p.numel() for p in hf.parameters()) + biases
+
+
+def test_mla_bench_on_a_deepseek_v3_shaped_layer(tmp_path, monkeypatch):
+    """python -m moespec.bench.mla: on DeepSeek-V3's real attention shape (128 heads, kv rank 512) the
+    two forms give the same layer output (fp32), the bench writes its JSON and plot, and refuses
+    T > S."""
+    from moespec.bench import mla
+
+    c, layer = mla.layer_and_config(torch.float32, "cpu")
+    fn = mla.step(c, layer, 4, 24, torch.float32, "cpu")
+    outs = []
+    for absorbed in (True, False):
+        monkeypatch.setattr(attention, "mla_absorbed", lambda c_, T, S, a=absorbed: a)
+        outs.append(fn())
+    monkeypatch.undo()
+    assert_close(outs[0], outs[1], 1e-4)
+    mla.main(["--contexts", "24", "--tokens", "1", "24", "--repeats", "1", "--dtype", "fp32", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "mla.json").read_text())["rows"]
+    assert [(r["T"], r["S"], r["picks"]) for r in rows] == [(1, 24, "absorbed"), (24, 24, "expanded")]
+    assert all(r["expanded_ms"] > 0 and r["absorbed_ms"] > 0 for r in rows) and (tmp_path / "mla.png").stat().st_size
+    with pytest.raises(SystemExit):
+        mla.main(["--contexts", "8", "--tokens", "16"])

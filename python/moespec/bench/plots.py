@@ -12,7 +12,10 @@ timings (tests/gpu/run.sh's JSON; tests/gpu/plot_results.py draws them on a mach
 - :func:`gpu_steps_plot`: the runtime's verify step time against the unique experts a layer read
   (eager, graphs, graphs of the reference forward where timed, the roofline), and step / roofline by T;
 - :func:`gpu_moe_plot`: the MoE kernel's share of the copy bandwidth against active experts, by
-  shape and T, with the 70% target, and its speed-up over the best torch path.
+  shape and T, with the 70% target, and its speed-up over the best torch path;
+- :func:`gpu_linear_plot`: the dense projection kernel's share of the copy bandwidth against T;
+- :func:`mla_plot`: ``python -m moespec.bench.mla``'s DeepSeek-V3 attention layer in MLA's two forms
+  against the cached slots (CPU or GPU).
 """
 
 from __future__ import annotations
@@ -188,6 +191,27 @@ def gpu_linear_plot(bench: dict[str, Any], path: Union[str, Path]) -> Path:
     ax.set_title(f"Dense projections: weight bytes / time, {bench.get('device', 'GPU')}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
+    return _save(plt, fig, path)
+
+
+def mla_plot(result: dict, path) -> Path:
+    """``result``: python -m moespec.bench.mla's mla.json: a DeepSeek-V3 attention layer's time against
+    the cached slots S, a colour per T, MLA's expanded form dotted and its absorbed form solid."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    rows = result["rows"]
+    for T, color in zip(sorted({r["T"] for r in rows}), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        mine = sorted((r for r in rows if r["T"] == T), key=lambda r: r["S"])
+        S = [r["S"] for r in mine]
+        ax.plot(S, [r["expanded_ms"] for r in mine], "x:", color=color, label=f"T={T}: expanded (transformers)")
+        ax.plot(S, [r["absorbed_ms"] for r in mine], "o-", color=color, label=f"T={T}: absorbed")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("cached slots S")
+    ax.set_ylabel("ms per attention layer")
+    ax.set_title(f"DeepSeek-V3 attention (MLA), {result['dtype']}, {result['device']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
 

@@ -2,8 +2,12 @@
 OLMoE, GPT-OSS: q/k/v projections, optional q/k norms, clip and sinks) and multi-head latent
 attention (DeepSeek-V3). Each owns its cache layout (:func:`cache_shapes`): GQA caches keys and
 values [Hkv, S, D]; MLA caches the compressed latent [1, S, kv_lora_rank] and the rope key
-[1, S, qk_rope_head_dim] (in KVCache's k and v), and expands keys and values from the latent on
-every call, as transformers does.
+[1, S, qk_rope_head_dim] (in KVCache's k and v). MLA attends in one of two equal forms, whichever
+costs fewer multiplies (:func:`mla_absorbed`): expanded, as transformers does (keys and values of
+every head from every cached latent: kv_b over S slots each call), or absorbed, as vLLM and SGLang
+decode (kv_b's key part folded into the queries and its value part applied to the heads' outputs:
+one attention over the latent itself, which every head shares, and nothing per slot but the
+attention). Decode and verify steps take the absorbed form, prefills the expanded one.
 
 A block writes the new tokens' entries at their cache slots (``rows``, ``cols`` -> ``slots``: the
 valid tokens of the padded batch) and attends over the first S slots with ``mask`` [B, 1, T, S].
@@ -90,6 +94,19 @@ def mla_scale(c: ModelConfig) -> float:
     return scale
 
 
+def mla_absorbed(c: ModelConfig, T: int, S: int) -> bool:
+    """Whether MLA attends in the absorbed form for T new tokens over S slots: multiplies a request
+    absorbed (T Hq R (nope + v) to fold kv_b into the queries and out of the outputs, T S Hq (2 R + rope)
+    for the attention over the latent) <= expanded (S R Hq (nope + v) to expand every slot,
+    T S Hq (nope + rope + v) for the attention). Decode and tree verify (T << S) absorb; prefill
+    (T ~ S) expands."""
+    m = c.mla
+    R, nope, rope, vd = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    absorbed = T * R * (nope + vd) + T * S * (2 * R + rope)
+    expanded = S * R * (nope + vd) + T * S * (nope + rope + vd)
+    return absorbed <= expanded
+
+
 def _mla(c: ModelConfig, index: int, layer, h, cos, sin, mask, cache: KVCache, rows, cols, slots, S: int):
     m = c.mla
     B, T, _ = h.shape
@@ -107,13 +124,40 @@ def _mla(c: ModelConfig, index: int, layer, h, cos, sin, mask, cache: KVCache, r
     lat_cache, rot_cache = cache.k[index], cache.v[index]  # [B, 1, S_max, R], [B, 1, S_max, rope]
     lat_cache[rows, :, slots] = latent[:, None][rows, :, cols]
     rot_cache[rows, :, slots] = k_rot[rows, :, cols]
-    kv = linear(lat_cache[:, 0, :S], layer.kv_b, cpu_kernel=False)
-    kv = kv.view(B, S, Hq, nope + vd).transpose(1, 2)  # [B, Hq, S, *]
-    k_nope, v = kv.split([nope, vd], dim=-1)
-    k = torch.cat([k_nope, rot_cache[:, :, :S].expand(B, Hq, S, rope)], dim=-1)
-    o = F.scaled_dot_product_attention(torch.cat([q_pass, q_rot], dim=-1), k, v, attn_mask=mask,
-                                       scale=mla_scale(c))  # [B, Hq, T, vd]
+    kv_b = layer.kv_b.view(Hq, nope + vd, R)  # per head: key part [nope, R], value part [vd, R]
+    if mla_absorbed(c, T, S):
+        o = _mla_absorbed(c, torch.cat([q_pass, q_rot], dim=-1), kv_b, lat_cache[:, 0, :S], rot_cache[:, 0, :S], mask)
+    else:
+        kv = linear(lat_cache[:, 0, :S], layer.kv_b, cpu_kernel=False)
+        kv = kv.view(B, S, Hq, nope + vd).transpose(1, 2)  # [B, Hq, S, *]
+        k_nope, v = kv.split([nope, vd], dim=-1)
+        k = torch.cat([k_nope, rot_cache[:, :, :S].expand(B, Hq, S, rope)], dim=-1)
+        o = F.scaled_dot_product_attention(torch.cat([q_pass, q_rot], dim=-1), k, v, attn_mask=mask,
+                                           scale=mla_scale(c))  # [B, Hq, T, vd]
     return linear(o.transpose(1, 2).reshape(B, T, Hq * vd), layer.o, layer.o_bias, cpu_kernel=False)
+
+
+def _mla_absorbed(c: ModelConfig, q: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """MLA with kv_b absorbed: q [B, Hq, T, nope + rope] (rope applied), kv_b [Hq, nope + v, R] (a view
+    of the checkpoint's matrix), latent [B, S, R] and k_rot [B, S, rope] (the cache), mask bool
+    [B, 1, T, S] -> [B, Hq, T, v]. Every head attends over the same latent, so the Hq T queries of a
+    request are the rows of one matrix product with it (no per-head copy of the cache); arithmetic as
+    transformers' eager attention (product and scale in the model dtype, softmax in fp32)."""
+    m = c.mla
+    B, Hq, T, _ = q.shape
+    nope, vd, R, S = m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank, latent.shape[1]
+    q_pass = q[..., :nope].transpose(0, 1).reshape(Hq, B * T, nope)
+    q_lat = torch.bmm(q_pass, kv_b[:, :nope])  # [Hq, B T, R]: q_nope . (W_k latent) = (q_nope W_k) . latent
+    q_lat = q_lat.view(Hq, B, T, R).transpose(0, 1)
+    q = torch.cat([q_lat, q[..., nope:]], dim=-1).reshape(B, Hq * T, R + m.qk_rope_head_dim)
+    k = torch.cat([latent, k_rot], dim=-1)  # [B, S, R + rope]
+    scores = (torch.bmm(q, k.transpose(1, 2)) * mla_scale(c)).view(B, Hq, T, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    o_lat = torch.bmm(probs.view(B, Hq * T, S), latent)  # [B, Hq T, R]
+    o_lat = o_lat.view(B, Hq, T, R).permute(1, 3, 0, 2).reshape(Hq, R, B * T)
+    o = torch.bmm(kv_b[:, nope:], o_lat)  # [Hq, v, B T]: W_v (probs . latent) = probs . (W_v latent)
+    return o.view(Hq, vd, B, T).permute(2, 0, 3, 1)
 
 
 def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
