@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from moespec.bench.ops import _time_per_call
 from moespec.models.config import RawConfig
 from moespec.models.families.deepseek_v3 import parse_config
 from moespec.models.weights import LayerWeights
@@ -80,18 +80,6 @@ def step(c, layer, T: int, S: int, dtype: torch.dtype, device: str):
     return fn
 
 
-def _seconds(fn, min_seconds: float = 0.05) -> float:
-    n = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return elapsed / n
-        n *= 2
-
-
 def bench(contexts=(256, 1024, 4096), tokens=(1, 16), dtype=torch.bfloat16, device="cpu", repeats=5,
           progress=print):
     """Rows {T, S, expanded_ms, absorbed_ms, picks}: the median of ``repeats`` interleaved timings, and
@@ -108,7 +96,7 @@ def bench(contexts=(256, 1024, 4096), tokens=(1, 16), dtype=torch.bfloat16, devi
                     for form in times:
                         attention.mla_absorbed = lambda c_, T_, S_, a=form == "absorbed": a
                         fn()  # warm-up of this form's shapes
-                        times[form].append(_seconds(fn))
+                        times[form].append(_time_per_call(fn, 0.05))
                 attention.mla_absorbed = forced
                 row = dict(T=T, S=S, expanded_ms=statistics.median(times["expanded"]) * 1e3,
                            absorbed_ms=statistics.median(times["absorbed"]) * 1e3,
