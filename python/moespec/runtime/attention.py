@@ -126,7 +126,7 @@ def _mla(c: ModelConfig, index: int, layer, h, cos, sin, mask, cache: KVCache, r
     rot_cache[rows, :, slots] = k_rot[rows, :, cols]
     kv_b = layer.kv_b.view(Hq, nope + vd, R)  # per head: key part [nope, R], value part [vd, R]
     if mla_absorbed(c, T, S):
-        o = _mla_absorbed(c, torch.cat([q_pass, q_rot], dim=-1), kv_b, lat_cache[:, 0, :S], rot_cache[:, 0, :S], mask)
+        o = _mla_absorbed(c, q_pass, q_rot, kv_b, lat_cache[:, 0, :S], rot_cache[:, 0, :S], mask)
     else:
         kv = linear(lat_cache[:, 0, :S], layer.kv_b, cpu_kernel=False)
         kv = kv.view(B, S, Hq, nope + vd).transpose(1, 2)  # [B, Hq, S, *]
@@ -137,20 +137,19 @@ def _mla(c: ModelConfig, index: int, layer, h, cos, sin, mask, cache: KVCache, r
     return linear(o.transpose(1, 2).reshape(B, T, Hq * vd), layer.o, layer.o_bias, cpu_kernel=False)
 
 
-def _mla_absorbed(c: ModelConfig, q: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
-                  mask: torch.Tensor) -> torch.Tensor:
-    """MLA with kv_b absorbed: q [B, Hq, T, nope + rope] (rope applied), kv_b [Hq, nope + v, R] (a view
+def _mla_absorbed(c: ModelConfig, q_pass: torch.Tensor, q_rot: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor,
+                  k_rot: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """MLA with kv_b absorbed: q_pass [B, Hq, T, nope] and q_rot [B, Hq, T, rope] (rope applied), kv_b [Hq, nope + v, R] (a view
     of the checkpoint's matrix), latent [B, S, R] and k_rot [B, S, rope] (the cache), mask bool
     [B, 1, T, S] -> [B, Hq, T, v]. Every head attends over the same latent, so the Hq T queries of a
     request are the rows of one matrix product with it (no per-head copy of the cache); arithmetic as
     transformers' eager attention (product and scale in the model dtype, softmax in fp32)."""
     m = c.mla
-    B, Hq, T, _ = q.shape
-    nope, vd, R, S = m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank, latent.shape[1]
-    q_pass = q[..., :nope].transpose(0, 1).reshape(Hq, B * T, nope)
-    q_lat = torch.bmm(q_pass, kv_b[:, :nope])  # [Hq, B T, R]: q_nope . (W_k latent) = (q_nope W_k) . latent
+    B, Hq, T, nope = q_pass.shape
+    vd, R, S = m.v_head_dim, m.kv_lora_rank, latent.shape[1]
+    q_lat = torch.bmm(q_pass.transpose(0, 1).reshape(Hq, B * T, nope), kv_b[:, :nope])  # [Hq, B T, R]: q_nope . (W_k latent) = (q_nope W_k) . latent
     q_lat = q_lat.view(Hq, B, T, R).transpose(0, 1)
-    q = torch.cat([q_lat, q[..., nope:]], dim=-1).reshape(B, Hq * T, R + m.qk_rope_head_dim)
+    q = torch.cat([q_lat, q_rot], dim=-1).reshape(B, Hq * T, R + m.qk_rope_head_dim)
     k = torch.cat([latent, k_rot], dim=-1)  # [B, S, R + rope]
     scores = (torch.bmm(q, k.transpose(1, 2)) * mla_scale(c)).view(B, Hq, T, S)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
