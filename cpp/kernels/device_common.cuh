@@ -8,7 +8,9 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "moespec/error.h"
 
@@ -40,8 +42,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 // this safe, kept by every such kernel: each block calls wait_for_primary() before its first global
 // memory access that depends on earlier work (reads its outputs, or writes what it may still read)
 // and before it exits, so that a kernel's completion implies its primary's, transitively. Before the
-// wait a block may only read what was complete before its primary started (the moe down kernel's
-// ids, weights and weight prefetch).
+// wait a block may only read what was complete before it could start: the moe down kernel's ids and
+// weights (the routing kernel's output: its primary, gate/up, triggers only after its own wait) and
+// its weight prefetch.
 __device__ __forceinline__ void wait_for_primary() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -82,7 +85,31 @@ inline bool pdl_allowed() {
   return device_major() >= 9;
 }
 
-// kernel<<<grid, block, shared, stream>>>(args...), as a programmatic dependent launch when pdl.
+// Whether `kernel`'s code on the current device was compiled from sm_90+ PTX, so that it holds the
+// griddepcontrol instructions above: a newer GPU running the build's JIT-compiled compute_80 PTX (no
+// sm_100 binary in the build) would run code without them, whose blocks would not wait for their
+// primary. Asked once per kernel and device (a list as long as the kernels times the devices).
+inline bool has_pdl_code(const void* kernel) {
+  struct Seen {
+    const void* kernel;
+    int device;
+    bool ok;
+  };
+  static std::mutex mutex;
+  static std::vector<Seen> seen;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const Seen& s : seen)
+    if (s.kernel == kernel && s.device == device) return s.ok;
+  cudaFuncAttributes attributes = {};
+  const bool ok = cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && attributes.ptxVersion >= 90;
+  seen.push_back({kernel, device, ok});
+  return ok;
+}
+
+// kernel<<<grid, block, shared, stream>>>(args...), as a programmatic dependent launch when pdl (and
+// the kernel's code has the waits: has_pdl_code).
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared,
                           cudaStream_t stream, Args... args) {
@@ -95,7 +122,7 @@ cudaError_t launch_kernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 b
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
+  config.numAttrs = pdl && has_pdl_code(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
 }
 

@@ -505,7 +505,9 @@ __global__ void __launch_bounds__(kSplit * kWarp)
     for (int64_t i = threadIdx.x; i < f.H / 16; i += blockDim.x) tiles_done[i] = 0;
   find_expert(f.ids, f.weights, f.round, f.slots, f.E, static_cast<int32_t>(blockIdx.y), g);
   if (first_block && threadIdx.x == 0) errors[0] = g.bad;
-  launch_dependents();  // every block of this grid has started: the down blocks may take free SMs
+  launch_dependents();  // every block of this grid has started: the down blocks may take free SMs. Keep it
+  // after this block's wait: the down blocks read ids and weights before their own wait, which is safe
+  // because none of them starts before every block here has waited for the routing kernel's completion
   if (g.expert < 0) return;
   const int32_t* list = g.list;
   const int64_t K = f.K;
@@ -683,7 +685,8 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
   const int major = device_major();
   const bool mma = std::is_same<W, __nv_bfloat16>::value && vec && H % kChunk == 0 && I % kChunk == 0 &&
                    (T <= 1 || ldx % 8 == 0) && major >= 8;
-  const unsigned used_bound = static_cast<unsigned>(E < T * K ? E : T * K);
+  const int64_t bound = E < T * K ? E : T * K;  // (at least 1: with K = 0 block y = 0 writes the zeros)
+  const unsigned used_bound = static_cast<unsigned>(bound > 0 ? bound : 1);
   if (mma && T * K <= kFusedSlots && fused_allowed()) {
     const bool pdl = pdl_allowed();
     with_tiles(T, [&](auto tiles) { launch_fused<decltype(tiles)::value>(a, w, used_bound, p, round, pdl, stream); });

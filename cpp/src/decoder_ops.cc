@@ -3,6 +3,9 @@
 // CPU kernel (the CPU runs the plain-torch versions, python/moespec/ops/decoder.py).
 #include "moespec/decoder_ops.h"
 
+#include <cstdint>
+#include <utility>
+
 #include "moespec/error.h"
 
 namespace moespec {
@@ -100,6 +103,10 @@ void validate_tree_attention(const TreeAttentionArgs& a) {
                     a.k_cache.describe());
   MOESPEC_CHECK_ARG(S >= 1, "k_cache", "needs at least one slot, got ", a.k_cache.describe());
   check_like(a.v_cache, "v_cache", a.k_cache, {B, Hkv, S, D});
+  for (const auto& [cache, name] : {std::pair{&a.k_cache, "k_cache"}, std::pair{&a.v_cache, "v_cache"}})
+    MOESPEC_CHECK_ARG(reinterpret_cast<uintptr_t>(cache->data) % 16 == 0, name,
+                      "must start on a 16-byte boundary (its rows are read 16 bytes at a time), got address ",
+                      cache->data);
   check_index(a.start, "start", a.q, B);
   check_index(a.offsets, "offsets", a.q, B + 1);
   check_view(a.groups, "groups", {DType::kInt32}, {a.groups.shape[0], 3}, a.q.device, a.q.device_index);

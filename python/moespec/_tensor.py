@@ -51,4 +51,6 @@ def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    # (a caller's tensor that is pinned already is copied first: the caller may write it again before
+    # the DMA has read it)
+    return (t.clone() if t.is_pinned() else t).pin_memory().to(device, non_blocking=True)

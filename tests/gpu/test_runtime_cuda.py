@@ -146,6 +146,30 @@ def test_graph_replay_equals_eager(folder, fused, pdl, monkeypatch):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
 
 
+def test_graphs_over_a_short_cache_survive_a_longer_one(folder):
+    """A model's graph steps over a short cache, then a longer cache (the fused forward's rope table is
+    rebuilt longer), then the short cache's graphs again: they still read the table they were captured
+    with (a freed table's memory, reused and overwritten meanwhile, would give other logits)."""
+    eager = mm.load(folder, "fp32", device="cuda")
+    graphs = mm.load(folder, "fp32", device="cuda")
+    graphs.backend_name = "graphs"
+    short = [m.new_cache(1, 48) for m in (eager, graphs)]
+    for m, c in zip((eager, graphs), short):
+        m.prefill(c, [PROMPTS[0]])
+    for token in (7, 8):  # captured over the short cache
+        d = [m.decode(c, [token]) for m, c in zip((eager, graphs), short)]
+        _close(d[1].logits, d[0].logits, 1e-4, f"short cache, token {token}")
+    long = graphs.new_cache(1, 8192)
+    graphs.prefill(long, [PROMPTS[1]])
+    graphs.decode(long, [9])
+    del long
+    churn = [torch.full((1 << k,), float("nan"), device="cuda") for k in range(6, 21) for _ in range(8)]  # (any size)
+    del churn
+    for token in (10, 11, 12):
+        d = [m.decode(c, [token]) for m, c in zip((eager, graphs), short)]
+        _close(d[1].logits, d[0].logits, 1e-4, f"short cache again, token {token}")
+
+
 @pytest.mark.parametrize("draft_graphs", ["0", "1"])
 def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, draft_graphs, monkeypatch):
     """Greedy eagle3 on CUDA (graphs backend, the torch tree core, the head's torch path) synchronises

@@ -146,6 +146,9 @@ def test_native_entry_points_check_their_arguments():
         attend(spans=torch.tensor([2]), window=4, positions=torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="^sinks: .*size 4"):
         attend(sinks=torch.zeros(2))
+    odd = torch.zeros(1 * 2 * 8 * 16 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 8, 16)  # 2 bytes off 16
+    with pytest.raises(ValueError, match="^v_cache: must start on a 16-byte boundary"):
+        attend(v=odd)
     with pytest.raises(ValueError, match="^q: tree_attention has a CUDA kernel only"):
         attend()
     x = torch.zeros(3, 32)

@@ -5,6 +5,7 @@ greedy AR. (On a GPU, tests/gpu/test_runtime_cuda.py holds graph replay against 
 
 from __future__ import annotations
 
+import collections
 import importlib
 
 import pytest
@@ -72,7 +73,7 @@ def test_static_steps_equal_the_reference(folders, family, fused, monkeypatch):
             assert_close(caches[1].k[:, b, :, :n], caches[0].k[:, b, :, :n])
             assert_close(caches[1].v[:, b, :, :n], caches[0].v[:, b, :, :n])
     steps = graphs.backend.steps
-    assert sorted((k[2], k[3], k[4]) for k in steps) == [(2, 1, None), (2, 4, budget)]
+    assert sorted((k[3], k[4], k[5]) for k in steps) == [(2, 1, None), (2, 4, budget)]
     # unequal trees fit no bucket: they run eagerly (the fused forward on their packed tokens), no new step
     v = [m.verify(c, [trees[0], trees[1][:2]], [[-1, 0, 0, 1], [-1, 0]], budget=budget)
          for m, c in zip((ref, graphs), caches)]
@@ -81,6 +82,48 @@ def test_static_steps_equal_the_reference(folders, family, fused, monkeypatch):
     assert_close(v[1].hidden[1][1, :2], v[0].hidden[1][1, :2])
     assert torch.equal(v[1].expert_stats, v[0].expert_stats)
     assert len(graphs.backend.steps) == 2
+
+
+def test_buckets_go_with_their_cache_and_the_least_recently_used_makes_room(folder, monkeypatch):
+    """A long-lived model serving run after run (each with its own cache): a run's buckets are dropped
+    once its cache is gone (they held neither it nor its memory), and with the table full the least
+    recently used bucket makes room, so new shapes still get a bucket (and the steps stay right)."""
+    import gc
+
+    from moespec.runtime import graphs as graphs_module
+
+    monkeypatch.setattr(graphs_module, "MAX_BUCKETS", 2)
+    ref, graphs = load(folder, "fp32"), load(folder, "fp32")
+    ref.backend_name, graphs.backend_name = "reference", "graphs"
+    backend = graphs.backend
+    for run in range(3):  # three runs one after the other, each decoding with its own cache
+        caches = [m.new_cache(1, 32) for m in (ref, graphs)]
+        for m, c in zip((ref, graphs), caches):
+            m.prefill(c, [PROMPTS[0]])
+        for token in (7, 8):
+            d = [m.decode(c, [token]) for m, c in zip((ref, graphs), caches)]
+            assert_close(d[1].logits, d[0].logits)
+        assert [s.cache for s in backend.steps.values()] == [caches[1]], f"run {run}: only its own bucket"
+        del caches, c, d  # (c: the loop variable)
+        gc.collect()
+    cache = graphs.new_cache(1, 32)
+    assert all(s.cache is None for s in backend.steps.values())  # the last run's bucket: its cache gone
+    graphs.prefill(cache, [PROMPTS[0]])
+    graphs.decode(cache, [7])
+    assert [s.cache for s in backend.steps.values()] == [cache]  # (the dead one dropped on the way)
+    keys = []
+    for T in (2, 3, 2, 4):  # chains of T tokens: buckets (1, 2), (1, 3), (1, 2) again, then (1, 4)
+        graphs.verify(cache, [list(range(5, 5 + T))], [[-1] + list(range(T - 1))])
+        cache.pending = None
+        keys.append(sorted(k[4] for k in backend.steps))
+    # T=3 evicts the decode bucket (least recently used); T=2 again is a hit and becomes the most
+    # recent; T=4 then evicts T=3
+    assert keys == [[1, 2], [2, 3], [2, 3], [2, 4]]
+    want = ref.new_cache(1, 32)
+    ref.prefill(want, [PROMPTS[0]])
+    ref.decode(want, [7])
+    v = [m.verify(c, [[5, 6, 7, 8]], [[-1, 0, 1, 2]]) for m, c in ((ref, want), (graphs, cache))]
+    assert_close(v[1].logits, v[0].logits)
 
 
 def test_greedy_speculation_through_graphs_equals_ar(folder):
@@ -199,12 +242,32 @@ def assert_static_catch_up_equals_eager(policy) -> None:
     """The catch-up calls below on two draft caches of ``policy``'s head (on the target's device), one
     eagerly and one through the static buckets, give the same outputs and cache entries, bit for bit;
     every bucket is replayed at least once (tests/gpu/test_runtime_cuda.py runs this on CUDA graphs)."""
+    from moespec.spec import draft_graph
     from moespec.spec.policies import Run
 
     head, dev = policy.head, policy.target.device
     B, Ht, V = 2, policy.target.config.hidden_size, policy.target.config.vocab_size
     runs = [Run(None, [0] * B, extra={"draft_cache": head.new_cache(B, 40)}) for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
+    replays = collections.Counter()  # bucket -> calls that found its graph made (a CUDA graph counts nothing)
+    run_bucket = draft_graph.StaticCatchUp.run
+
+    def counted(bucket, *args, **kwargs):
+        replays[id(bucket)] += bucket.graph is not None
+        return run_bucket(bucket, *args, **kwargs)
+
+    draft_graph.StaticCatchUp.run = counted
+    try:
+        _catch_up_calls(policy, runs, gen, B, Ht, V, dev)
+    finally:
+        draft_graph.StaticCatchUp.run = run_bucket
+    buckets = policy._catch_ups
+    assert sorted(buckets) == [(2, 1), (2, 2), (2, 3)]
+    assert all(replays[id(b)] >= 1 for b in buckets.values()), "every bucket replayed at least once"
+
+
+def _catch_up_calls(policy, runs, gen, B, Ht, V, dev) -> None:
+    """Catch-ups of B requests with 0-3 entries each, eagerly on runs[0] and statically on runs[1]."""
     for n in ([2, 2], [3, 1], [1, 3], [2, 2], [3, 1], [0, 2], [1, 1], [3, 3], [1, 3], [1, 0]):
         T = max(n)
         tokens = [torch.randint(0, V, (k,), generator=gen).tolist() for k in n]
@@ -219,6 +282,3 @@ def assert_static_catch_up_equals_eager(policy) -> None:
         for request, length in enumerate(a.lengths):
             assert torch.equal(a.k[:, request, :, :length], b.k[:, request, :, :length]), n
             assert torch.equal(a.v[:, request, :, :length], b.v[:, request, :, :length]), n
-    buckets = policy._catch_ups
-    assert sorted(buckets) == [(2, 1), (2, 2), (2, 3)]
-    assert all(b.graph.replays >= 1 for b in buckets.values()), "every bucket replayed at least once"

@@ -60,14 +60,18 @@ def supports(model: "TargetModel") -> bool:
 
 class FusedForward:
     """One model's fused forward; the rope table (cos, sin of every slot of a cache, in the model
-    dtype, built on the model's device with the reference's own ops) is made once per length."""
+    dtype, built on the model's device with the reference's own ops) is made once per length. A longer
+    cache makes a longer table; the shorter ones stay alive, since graphs captured over them read
+    their memory at every replay (a freed table's memory would be reused under them)."""
 
     def __init__(self, model: "TargetModel"):
         self.model = model
         self.cos = self.sin = torch.empty(0)
+        self.retired: list[torch.Tensor] = []  # tables a captured graph may still read
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos.shape[0] < length:
+            self.retired += [self.cos, self.sin]
             positions = torch.arange(length, device=self.model.inv_freq.device)
             freqs = positions[:, None].float() * self.model.inv_freq  # [S, D/2], as the reference computes it
             emb = torch.cat((freqs, freqs), dim=-1)

@@ -28,6 +28,7 @@ against eager on a GPU.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
     from moespec.models.runtime import TargetModel
     from moespec.runtime.backend import ForwardOutput, ReferenceBackend
 
-MAX_BUCKETS = 32  # distinct shapes captured per model (each holds a graph and its static buffers)
+MAX_BUCKETS = 32  # buckets held per model (each holds a graph and its static buffers); the least
+# recently used one makes room for a new one, and a bucket goes with its cache
 
 
 class StaticStep:
@@ -54,7 +56,8 @@ class StaticStep:
                  budget: Optional[ExpertBudget], pool=None, fused: Optional[FusedForward] = None):
         from moespec.runtime.backend import _Batch
 
-        self.reference, self.cache, self.budget, self.fused = reference, cache, budget, fused
+        self.reference, self.budget, self.fused = reference, budget, fused
+        self._cache = weakref.ref(cache)  # (a bucket must not keep a finished run's cache alive)
         device = reference.model.device
         B, T, S = batch, tokens, cache.max_len
         long = dict(dtype=torch.long, device=device)
@@ -74,6 +77,11 @@ class StaticStep:
         self.groups = attention_groups(list(range(0, B * T + 1, T))).to(device)
         self.graph = None
         self.out: Optional["ForwardOutput"] = None
+
+    @property
+    def cache(self) -> Optional[KVCache]:
+        """The cache the bucket's graph reads and writes (None once it is gone: the bucket is dropped)."""
+        return self._cache()
 
     def load(self, geo: "StepGeometry", starts: list[int]) -> None:
         """Copies one call's packed geometry (token ids, positions, each request's first new slot, the
@@ -172,6 +180,14 @@ class GraphBackend:
             return eager_forward(self.fused, cache, seqs, parents, budget, last_only, geo)
         return self.reference.forward(cache, seqs, parents, budget, last_only)
 
+    def _make_room(self) -> None:
+        """Drops the buckets whose cache is gone (a finished run's), then, while the table is full, the
+        least recently used one (its graph and static buffers go back to the pool)."""
+        for key in [k for k, step in self.steps.items() if step.cache is None]:
+            del self.steps[key]
+        while len(self.steps) >= MAX_BUCKETS:
+            del self.steps[next(iter(self.steps))]
+
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
                 budget: Optional[ExpertBudget], last_only: bool, geo=None) -> "ForwardOutput":
         from moespec.runtime.backend import ForwardOutput
@@ -182,13 +198,12 @@ class GraphBackend:
                 or (parents is None and T > 1)):  # (prefill runs eagerly: decode and tree verify are the steps)
             return self.eager(cache, seqs, parents, budget, last_only, geo)
         # (sequences and trees of one T share a step: the mask is an input)
-        key = (cache.k.data_ptr(), tuple(cache.k.shape), len(seqs), T, budget, self.model.taps)
-        step = self.steps.get(key)
-        if step is None:
-            if len(self.steps) >= MAX_BUCKETS:
-                return self.eager(cache, seqs, parents, budget, last_only, geo)
+        key = (id(cache), cache.k.data_ptr(), tuple(cache.k.shape), len(seqs), T, budget, self.model.taps)
+        step = self.steps.pop(key, None)
+        if step is None or step.cache is not cache:  # (new, or another cache that took a gone one's id)
+            self._make_room()
             step = StaticStep(self.reference, cache, len(seqs), T, budget, self.pool, self.fused)
-            self.steps[key] = step
+        self.steps[key] = step  # (last: the most recently used)
         step.load(geo if geo is not None else step_geometry(seqs, cache.lengths, parents), list(cache.lengths))
         out = step.run()
         logits = out.logits[:, -1] if last_only else out.logits  # every request has T tokens
