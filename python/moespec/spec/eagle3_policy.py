@@ -64,6 +64,7 @@ class Eagle3Policy:
         self.draft_graphs = flag == "1" if flag in ("0", "1") else target.device.type == "cuda"
         self._static: Optional[StaticDraftRound] = None
         self._catch_ups: dict[tuple, StaticCatchUp] = {}  # the steps' catch-ups of one draft cache by (B, T)
+        self._levels: dict[torch.device, tuple] = {}  # the draft round's per-level constants (_level_slots)
         self.selector = None  # the cost-aware verify-set choice of the eco policies (None: EAGLE-2's)
         if config.spec.selector == "cost_aware":
             from moespec.cost.step_cost import shape_from_config
@@ -277,14 +278,13 @@ class Eagle3Policy:
             raise ValueError(f"speculative config: (depth - 1) * top_k = {span} scratch slots; the draft round on a "
                              f"GPU attends at most {native().kMaxTreeTokens} (tree_attention's mask rows)")
         words = torch.zeros(B, K, (span + 31) // 32, dtype=torch.int32, device=dev)  # the root sees no scratch slot
-        slot = torch.arange(K, device=dev)
+        slots, bits = self._level_slots(dev)
         for d in range(1, c.depth):
             if self.selector is not None and not self.selector.worth_expanding(frontier.scores, active):
                 break  # no node of a deeper level can pay for it (the eco policies)
             level_start = time.perf_counter()
-            own = (d - 1) * K + slot  # [K] the level's scratch slots, relative to n
-            words[:, slot, own // 32] |= torch.bitwise_left_shift(torch.ones_like(own, dtype=torch.int32),
-                                                                  (own % 32).int())  # each node sees itself
+            own = slots[d - 1]  # [K] the level's scratch slots, relative to n
+            words |= bits[d - 1]  # each node sees itself (its own slot's bit)
             out = head.forward_words(dc, frontier.tokens.to(dev, copy=True), hidden, start=n,
                                      positions=(n - 1 + d)[:, None].expand(B, K), slots=own.expand(B, K),
                                      words=words.view(B * K, -1), span=span)
@@ -297,3 +297,17 @@ class Eagle3Policy:
             hidden = out.hidden.gather(1, parent.expand(B, K, H))
             words = words.gather(1, parent.expand(B, K, words.shape[-1]))
         return level_hidden
+
+    def _level_slots(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft round's per-level constants on ``dev``: slots long [depth - 1, K] (level d's nodes'
+        scratch slots (d - 1) K + s) and bits int32 [depth - 1, K, W] (each node's own slot as a mask
+        word bit), made once (host-built, one copy; a captured round reads them) so that a level adds
+        its nodes' bits in one launch."""
+        if dev not in self._levels:
+            K, levels = self.config.top_k, self.config.depth - 1
+            own = np.arange(levels * K).reshape(levels, K)
+            bits = np.zeros((levels, K, (levels * K + 31) // 32), dtype=np.uint32)
+            ones = np.left_shift(np.uint32(1), (own % 32).astype(np.uint32))
+            np.put_along_axis(bits, (own // 32)[:, :, None], ones[:, :, None], 2)
+            self._levels[dev] = (to_device(own, dev, torch.long), to_device(bits.view(np.int32), dev))
+        return self._levels[dev]
