@@ -196,6 +196,7 @@ class Eagle3Head(nn.Module):
         self._inv_freq = c.rope.inv_freq(c.head_dim)
         self._fused_weights: dict[str, tuple] = {}  # inference copies of q/k/v and gate/up, see _fused
         self._packing: dict[tuple, tuple] = {}  # forward_words' tree-attention geometry per (B, T, span)
+        self._rope_tables: dict[tuple, torch.Tensor] = {}  # forward_words' cos and sin per slot, see _rope_rows
         self._native: Optional[tuple] = None  # (weights key, DecoderModel, RopeTable), see _native_model
         self._params_list: Optional[list[torch.Tensor]] = None  # the parameters, listed once (_native_model)
         self.native_step = True  # inference on the CPU through the native step (False: the torch ops)
@@ -329,30 +330,47 @@ class Eagle3Head(nn.Module):
             return self.forward_native(cache, tokens, h, positions.numpy(), slots.numpy(), words.numpy(), last_only)
         residual, x = self._inputs(tokens, h)
         write = torch.where(slots >= 0, start[:, None] + slots, cache.max_len)  # padding (-1): the discard slot
-        q = self._attention_inputs(cache, x, positions, write)  # [B T, Hq, D]
         key = (B, T, span, x.device)
         if key not in self._packing:  # (made on a round's eager run, before a capture; kept: a graph reads them)
             bounds = list(range(0, B * T + 1, T))
             self._packing[key] = (to_device(bounds, x.device, torch.long),
                                   to_device(decoder_ops.attention_groups(bounds), x.device),
-                                  to_device([span] * B, x.device, torch.long))
-        offsets, groups, spans = self._packing[key]
+                                  to_device([span] * B, x.device, torch.long),
+                                  to_device([b for b in range(B) for _ in range(T)], x.device, torch.long))
+        offsets, groups, spans, requests = self._packing[key]
+        q = self._attention_inputs(cache, x, positions, write, requests)  # [B T, Hq, D]
         o = decoder_ops.tree_attention(q, cache.k, cache.v, start, offsets, groups, words, c.head_dim ** -0.5,
                                        spans=spans)
         return self._outputs(self._finish(residual, o.view(B, T, -1, c.head_dim).transpose(1, 2)), slots, last_only)
 
     def _attention_inputs(self, cache: DraftCache, x: torch.Tensor, positions: torch.Tensor,
-                          write: torch.Tensor) -> torch.Tensor:
+                          write: torch.Tensor, requests: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q [B T, Hq, D] of the entries x [B, T, 2H], their k and v written at the cache slots ``write``
-        [B, T] (rope and the writes: one launch on CUDA)."""
+        [B, T] (rope and the writes: one launch on CUDA). ``requests`` (long [B T], each entry's request)
+        is given where the positions lie within the cache and a tree's scratch beyond it
+        (:meth:`forward_words`): rope then comes from a table (:meth:`_rope_rows`)."""
         c, a = self.config, self.midlayer.self_attn
         B, T, _ = x.shape
-        cos, sin = (t.reshape(B * T, c.head_dim) for t in self._rope(positions, x))
-        request = torch.arange(B, device=write.device)[:, None].expand(B, T)
+        if requests is None:
+            cos, sin = (t.reshape(B * T, c.head_dim) for t in self._rope(positions, x))
+            requests = torch.arange(B, device=write.device)[:, None].expand(B, T).reshape(-1)
+        else:
+            cos, sin = self._rope_rows(cache, positions, x)
         return decoder_ops.attention_inputs(
             linear(x, self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).reshape(B * T, -1), None, None, cos, sin,
-            cache.k, cache.v, request.reshape(-1), write.reshape(-1), num_heads=c.num_heads,
+            cache.k, cache.v, requests, write.reshape(-1), num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads, qk_norm="none", eps=c.rms_norm_eps, clip=None)
+
+    def _rope_rows(self, cache: DraftCache, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos, sin [B T, D] at ``positions`` [B, T]: :meth:`_rope`'s values (a table of every position
+        of the cache and a tree's scratch beyond it, made with its ops on x's device), in two launches
+        (clamp, one gather) instead of seven. Tables are kept: a captured round reads them."""
+        n = cache.max_len + native().kMaxTreeTokens + 1  # (beyond: padding entries only)
+        key = (x.device, x.dtype, n)
+        if key not in self._rope_tables:
+            self._rope_tables[key] = torch.stack(self._rope(torch.arange(n, device=x.device), x))  # [2, n, D]
+        rows = self._rope_tables[key].index_select(1, positions.reshape(-1).clamp(0, n - 1))  # [2, B T, D]
+        return rows.unbind(0)
 
     def runs_natively(self, cache: DraftCache) -> bool:
         """Whether calls over ``cache`` run through the native step (:meth:`forward_native` needs it)."""
