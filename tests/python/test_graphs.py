@@ -282,3 +282,25 @@ def _catch_up_calls(policy, runs, gen, B, Ht, V, dev) -> None:
         for request, length in enumerate(a.lengths):
             assert torch.equal(a.k[:, request, :, :length], b.k[:, request, :, :length]), n
             assert torch.equal(a.v[:, request, :, :length], b.v[:, request, :, :length]), n
+
+
+def test_the_draft_rounds_kernel_count_on_a_gpus_paths(tmp_path):
+    """python -m moespec.tools.count_kernels: a static draft round (depth 4, top-k 4, 8 nodes) and a
+    catch-up on the GPU's code paths stay within the kernels they had after 2026-12-05's trims (~324
+    and ~54 before: the head's logits norm, its rope table and the levels' constant mask bits), with
+    moespec's ops counted as their kernels and no plain-torch body counted."""
+    import json
+
+    from moespec.tools import count_kernels
+
+    got = count_kernels.count(depth=4, top_k=4, nodes=8)
+    assert got["round"]["kernels"] <= 260 and got["catch_up"]["kernels"] <= 40, got
+    for name in ("round", "catch_up"):
+        ops = got[name]["ops"]
+        assert ops["[linear]"] >= 6 and ops["[rms_norm]"] >= 3 and ops["[tree_attention]"] >= 2, ops
+        assert not {"pow", "rsqrt", "mean", "scaled_dot_product_attention", "nonzero"} & set(ops), ops  # (bodies, checks)
+    out = tmp_path / "counts.json"
+    assert count_kernels.main(["--json", str(out)]) == 0
+    assert json.loads(out.read_text())["round"]["kernels"] == got["round"]["kernels"]
+    with pytest.raises(SystemExit):
+        count_kernels.main(["--depth", "0"])
