@@ -110,7 +110,7 @@ class TorchTreeCore:
         self._checks = []
         self._store_ids(roots, self._root, "root_tokens")
         self._store_ids(tokens, self._tokens[:, :K], "tokens", draft_ids_ok)
-        self._record("logprobs", lambda: logprobs.le(LOGPROB_TOLERANCE).all())
+        self._record("logprobs", lambda: logprobs.le(LOGPROB_TOLERANCE))
         torch.clamp(logprobs, max=0.0, out=self._score[:, :K])  # (the first K parents: -1 since __init__)
         torch.sort(self._score[:, :K], dim=1, descending=True, stable=True, out=(out["scores"], self._frontier))
         self.levels = 1
@@ -134,7 +134,7 @@ class TorchTreeCore:
         base, n = self.num_candidates, K * K
         parent = self._frontier  # [B, K]
         self._store_ids(tokens, self._tokens[:, base: base + n].view(B, K, K), "tokens", draft_ids_ok)
-        self._record("logprobs", lambda: logprobs.le(LOGPROB_TOLERANCE).all())
+        self._record("logprobs", lambda: logprobs.le(LOGPROB_TOLERANCE))
         score = self._score[:, base: base + n]  # [B, K K]
         torch.add(self._score.gather(1, parent)[:, :, None], logprobs.clamp(max=0.0), out=score.view(B, K, K))
         self._parent[:, base: base + n].view(B, K, K).copy_(parent[:, :, None].expand(B, K, K))
@@ -279,12 +279,13 @@ class TorchTreeCore:
         torch.clamp(t, 0, _MAX_TOKEN, out=dest)
         if draft_ids_ok is not None:
             self._record("draft_ids", lambda: draft_ids_ok)
-        self._record(name, lambda: dest.eq(t).all())
+        self._record(name, lambda: dest.eq(t))
 
     def _record(self, name: str, ok) -> None:
-        """Off the CPU: writes ``ok()`` (a bool on the device) into the round's next flag."""
+        """Off the CPU: writes whether all of ``ok()`` (bools on the device) hold into the round's next
+        flag (the reduction writes it: one launch)."""
         if not self.check_now:
-            self._ok[len(self._checks)].copy_(ok())
+            torch.all(ok(), out=self._ok[len(self._checks)])
             self._checks.append(name)
 
     def _ids(self, t, name: str, shape: tuple[int, ...]) -> torch.Tensor:
