@@ -286,10 +286,10 @@ def _catch_up_calls(policy, runs, gen, B, Ht, V, dev) -> None:
 
 def test_the_draft_rounds_kernel_count_on_a_gpus_paths(tmp_path):
     """python -m moespec.tools.count_kernels: a static draft round (depth 4, top-k 4, 8 nodes) and a
-    catch-up on the GPU's code paths stay within the kernels they had after 2026-12-05's trims (~324
-    and ~54 before: the head's logits norm, its rope table, the levels' constant mask bits and the deferred
-    checks reduced into their flags), with
-    moespec's ops counted as their kernels and no plain-torch body counted."""
+    catch-up on the GPU's code paths stay within the kernels they had after 2026-12-05's trims (297
+    and 45 before: the head's logits norm, its rope table, the levels' constant mask bits and the
+    deferred checks reduced into their flags), with moespec's ops counted as their kernels and no
+    plain-torch body counted."""
     import json
 
     from moespec.tools import count_kernels
