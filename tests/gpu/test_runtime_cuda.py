@@ -173,10 +173,12 @@ def test_graphs_over_a_short_cache_survive_a_longer_one(folder):
 @pytest.mark.parametrize("draft_graphs", ["0", "1"])
 def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, draft_graphs, monkeypatch):
     """Greedy eagle3 on CUDA (graphs backend, the torch tree core, the head's torch path) synchronises
-    with the host three times a step: the finalize's tree shapes, the verify's tree tokens (the cache's
-    commit checks) and the acceptance's copy back. Host values go to the device through pinned memory
-    (moespec._tensor.to_device) and the head writes its cache without nonzero: torch's sync debug
-    mode counts every other synchronisation."""
+    with the host once a step: the acceptance's copy back (the argmax choices, the trees' tokens and
+    parents, the draft round's problem flags; three copies a step until 2026-12-06: the finalize's
+    tree shapes and the verify's tree tokens besides). Host values go to the device through pinned
+    memory (moespec._tensor.to_device) and the head writes its cache without nonzero: torch's sync
+    debug mode counts every other synchronisation (tests/python/test_graphs.py counts the host reads
+    of the same paths on the CPU)."""
     import warnings
 
     from moespec import SpeculativeConfig
@@ -213,7 +215,7 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, d
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     where = sorted({f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in syncs})
-    assert len(syncs) <= 3 * steps, f"{len(syncs) / steps:.1f} synchronisations a step, at {', '.join(where)}"
+    assert len(syncs) <= steps, f"{len(syncs) / steps:.1f} synchronisations a step, at {', '.join(where)}"
 
 
 def test_catch_up_graph_replay_equals_the_eager_catch_up(folder, monkeypatch):

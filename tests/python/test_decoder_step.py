@@ -337,8 +337,9 @@ def test_steps_from_two_threads_are_serialized(pairs):
 @given(seed=st.integers(0, 2**16), top_k=st.integers(1, 3), depth=st.integers(1, 4), total=st.integers(1, 40))
 def test_verify_trees_equals_verify_of_their_lists(pairs, seed, top_k, depth, total):
     """verify_trees reads the draft trees' own tensors (packed masks, depths): the same logits, taps,
-    stats and pending tree as verify of their token and parent lists, on both backends; a None tree
-    adds no tokens."""
+    stats and pending tree as verify of their token and parent lists, on both backends, with the trees
+    read back at the call or not (read_back=False: the pending parents read back when commit looks);
+    a None tree adds no tokens."""
     from moespec.spec.tree import TreeBuilder
 
     g = torch.Generator().manual_seed(seed)
@@ -349,14 +350,42 @@ def test_verify_trees_equals_verify_of_their_lists(pairs, seed, top_k, depth, to
         builder.expand(torch.randint(0, V, (3, top_k, top_k), generator=g), -torch.rand(3, top_k, top_k, generator=g))
     trees = [t.clone() for t in builder.finalize()]
     trees[1] = None
-    for model in pairs["qwen2_moe", "fp32"]:
+    for model, read_back in zip(pairs["qwen2_moe", "fp32"], (False, True)):  # (the reference pads the lists)
         caches = [model.new_cache(3, 128) for _ in range(2)]
         for c in caches:
             model.prefill(c, [_prompt(5, 1), _prompt(3, 2), _prompt(9, 3)])
-        a = model.verify_trees(caches[0], trees, budget=ExpertBudget(4))
+        a = model.verify_trees(caches[0], [t.clone() if t is not None else None for t in trees],
+                               budget=ExpertBudget(4), read_back=read_back)
+        assert all(t is None or (t.host is not None) == read_back for t in caches[0].pending.parents.trees)
         b = model.verify(caches[1], [t.tokens.tolist() if t is not None else [] for t in trees],
                          [t.parents.tolist() if t is not None else [] for t in trees], budget=ExpertBudget(4))
         assert torch.equal(a.logits, b.logits) and torch.equal(a.expert_stats, b.expert_stats)
         assert all(torch.equal(x, y) for x, y in zip(a.hidden, b.hidden))
         assert caches[0].pending.parents == caches[1].pending.parents
         assert torch.equal(caches[0].k, caches[1].k)
+
+
+def test_verify_trees_checks_token_ids_or_clamps_them_unread(pairs):
+    """A tree with a token id outside the vocabulary: verify_trees names it when it reads the trees
+    back; with read_back=False (its caller checks the ids, as eagle3's step does with its deferred
+    round) the id is clamped on the device, so no embedding lookup goes out of range, and the call
+    reads nothing back."""
+    from moespec.spec.tree import DraftTree, pack_mask
+
+    model = pairs["qwen2_moe", "fp32"][0]
+    tokens = torch.tensor([5, V + 3, 7])
+    tree = DraftTree(tokens=tokens, parents=torch.tensor([-1, 0, 1], dtype=torch.int32),
+                     depth=torch.tensor([0, 1, 2], dtype=torch.int32),
+                     mask_words=pack_mask(torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)),
+                     paths=torch.tensor([[0, 1, 2]], dtype=torch.int32), scores=torch.zeros(3),
+                     candidates=torch.tensor([-1, 0, 1], dtype=torch.int32))
+    cache = model.new_cache(1, 32)
+    model.prefill(cache, [_prompt(5, 1)])
+    with pytest.raises(ValueError, match=f"verify_trees: tree 0 has token ids outside the vocabulary \\[0, {V}\\)"):
+        model.verify_trees(cache, [tree])
+    unread = DraftTree(*(getattr(tree, f) for f in ("tokens", "parents", "depth", "mask_words", "paths", "scores",
+                                                    "candidates")))
+    out = model.verify_trees(cache, [unread], read_back=False)
+    assert unread.host is None and torch.isfinite(out.logits).all()
+    model.commit(cache, [[0, 1]])  # (commit reads the parents back)
+    assert unread.host == ([5, V + 3, 7], [-1, 0, 1]) and cache.lengths == [7]

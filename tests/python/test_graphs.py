@@ -6,6 +6,7 @@ greedy AR. (On a GPU, tests/gpu/test_runtime_cuda.py holds graph replay against 
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 
 import pytest
@@ -149,31 +150,13 @@ def test_draft_rounds_replayed_from_a_captured_graph_equal_the_eager_rounds(fold
     eagle3 through them equals greedy ar, after an eager-draft run on the same target (as tests/gpu/bench_runtime_cuda.py
     runs it). (Regression: the first finalize read the ok flags of the capture, which a capture does not
     compute: "root_tokens: expected token ids in [0, 2^31) ..." on an H200.)"""
-    from fake_graph import fake_capture
-    from moespec.spec import draft_graph, eagle3_policy
     from moespec.spec.eagle3_policy import Eagle3Policy
     from moespec.spec.llm import _Request
-    from moespec.spec.train import new_head
-    from moespec.spec.tree import TreeBuilder
 
-    target = load(folder, "fp32")
-    target.backend_name = "graphs"
-    head = new_head(target.config, target.weights.embed, None, seed=0)
-    head.native_step = False  # the torch ops, as on a GPU (a fake capture records no native call)
-    monkeypatch.setattr(importlib.import_module("moespec.ops.linear"), "NATIVE_MAX_ROWS", 0)  # (F.linear)
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     prompts = PROMPTS[:batch]
     want = [o.outputs[0].token_ids for o in LLM(load(folder, "fp32")).generate(prompts, params)]
-    monkeypatch.setattr(draft_graph, "capture", fake_capture)
-    monkeypatch.setattr(draft_graph.StaticDraftRound, "capture_on", ("cuda", "cpu"))
-    monkeypatch.setattr(draft_graph.StaticCatchUp, "capture_on", ("cuda", "cpu"))
-
-    def gpu_like_builder(*args, **kwargs):  # the torch core, its value checks deferred to the finalize
-        builder = TreeBuilder(*args, **{**kwargs, "core": "torch"})
-        builder._core.check_now = False
-        return builder
-
-    monkeypatch.setattr(eagle3_policy, "TreeBuilder", gpu_like_builder)
+    target, head = _gpu_like_paths(folder, monkeypatch)
     replayed = []
 
     def generate(graphs: str) -> tuple[list[list[int]], Eagle3Policy]:
@@ -213,6 +196,111 @@ def test_draft_rounds_replayed_from_a_captured_graph_equal_the_eager_rounds(fold
     with pytest.raises(ValueError, match=r"^root_tokens: expected token ids .*\(checked at finalize"):
         static.run([-3] * batch, logits, hidden)  # a replay writes the round's flags
     assert len(static.run([7] * batch, logits, hidden)) == batch  # and the next replay rewrites them
+
+
+def _gpu_like_paths(folder, monkeypatch):
+    """A target (graphs backend) and a random head on the code paths a GPU takes, on the CPU: the
+    head's torch ops (a fake capture records no native call), F.linear, draft graphs captured into
+    fake_graph's stand-in, and the torch tree core with its value checks deferred."""
+    from fake_graph import fake_capture
+    from moespec.spec import draft_graph, eagle3_policy
+    from moespec.spec.train import new_head
+    from moespec.spec.tree import TreeBuilder
+
+    target = load(folder, "fp32")
+    target.backend_name = "graphs"
+    head = new_head(target.config, target.weights.embed, None, seed=0)
+    head.native_step = False
+    monkeypatch.setattr(importlib.import_module("moespec.ops.linear"), "NATIVE_MAX_ROWS", 0)
+    monkeypatch.setattr(draft_graph, "capture", fake_capture)
+    monkeypatch.setattr(draft_graph.StaticDraftRound, "capture_on", ("cuda", "cpu"))
+    monkeypatch.setattr(draft_graph.StaticCatchUp, "capture_on", ("cuda", "cpu"))
+
+    def gpu_like_builder(*args, **kwargs):
+        builder = TreeBuilder(*args, **{**kwargs, "core": "torch"})
+        builder._core.check_now = False
+        return builder
+
+    monkeypatch.setattr(eagle3_policy, "TreeBuilder", gpu_like_builder)
+    monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", "1")
+    return target, head
+
+
+HOST_READS = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_a_greedy_eagle3_step_reads_the_device_back_once(folder, monkeypatch):
+    """A greedy eagle3 step on a GPU's code paths (draft graphs, the torch tree core, the graphs
+    backend, the argmax where the logits are), on the CPU: every host read of a tensor's values
+    (tolist, item, numpy, cpu, bool/int/float) is counted, but those in the CPU bodies of moespec's
+    decoder kernels: one a step, the acceptance's copy back (the round's problem flags, the trees'
+    tokens and parents and the argmax choices together). Until 2026-12-06 a step read back three
+    times (the round's shapes at the finalize, the trees' tokens for the verify's checks, then the
+    acceptance): on a GPU each a synchronisation (tests/gpu/test_runtime_cuda.py counts them there)."""
+    import traceback
+
+    from moespec.spec import eagle3_policy
+    from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.llm import _Request
+
+    target, head = _gpu_like_paths(folder, monkeypatch)
+    monkeypatch.setattr(eagle3_policy, "accept_greedy_trees",
+                        functools.partial(eagle3_policy.accept_greedy_trees, on_host=False))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=4, top_k=4, total_tokens=8))
+    requests = [_Request(i, None, list(p), params, set()) for i, p in enumerate(PROMPTS)]
+    run = policy.start(requests)
+    for r, first in zip(requests, run.first_tokens):
+        r.output.append(first)
+
+    def step():
+        for r, emitted in zip(requests, policy.step(run, requests)):
+            r.output.extend(emitted)
+
+    step()  # (the capture)
+    reads = collections.Counter()
+
+    def counted(name, fn):
+        def read(self, *args, **kwargs):
+            stack = traceback.extract_stack()[:-1]
+            if not any(f.filename.endswith("moespec/ops/decoder.py") for f in stack):  # (a kernel's CPU body)
+                reads[f"{name} at {stack[-1].filename.rsplit('/', 1)[-1]}:{stack[-1].lineno}"] += 1
+            return fn(self, *args, **kwargs)
+        return read
+
+    steps = 4
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+        for _ in range(steps):
+            step()
+    assert sum(reads.values()) == steps, dict(reads)
+    assert policy._static.graph.replays == steps
+
+
+def test_a_deferred_rounds_problem_is_raised_by_the_step_before_its_commit(folder, monkeypatch):
+    """A step's draft round is read back with its acceptance (no copy of its own): a problem the
+    round recorded on the device (here a NaN draft log-probability, as a broken head gives) is raised
+    by that step, naming the argument, before anything of the verified trees is committed."""
+    from moespec.spec import eagle3_policy
+    from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.llm import _Request
+
+    target, head = _gpu_like_paths(folder, monkeypatch)
+    monkeypatch.setattr(eagle3_policy, "accept_greedy_trees",
+                        functools.partial(eagle3_policy.accept_greedy_trees, on_host=False))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=3, top_k=2, total_tokens=4))
+    requests = [_Request(i, None, list(p), params, set()) for i, p in enumerate(PROMPTS)]
+    run = policy.start(requests)
+    for r, first in zip(requests, run.first_tokens):
+        r.output.append(first)
+    policy.step(run, requests)
+    lengths = list(run.cache.lengths)
+    run.extra["draft_logits"] = torch.full_like(run.extra["draft_logits"], float("nan"))
+    with pytest.raises(ValueError, match=r"^logprobs: expected log-probabilities .*\(checked at finalize"):
+        policy.step(run, requests)
+    assert run.cache.lengths == lengths and run.cache.pending is None
 
 
 def test_a_static_catch_up_equals_the_eager_one(folder, monkeypatch):

@@ -9,16 +9,18 @@ place and forgets the rest (they are simply overwritten later).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 
 @dataclass
 class PendingTree:
-    """What a verify pass left for commit: per request, the tree size and parent of each node."""
+    """What a verify pass left for commit: per request, the tree size and parent of each node (a
+    :class:`moespec.spec.tree.HostLists` after a verify of device trees: read back when commit
+    looks, unless the acceptance has read them back already)."""
 
-    parents: list[list[int]]
+    parents: Sequence[Sequence[int]]
 
 
 @dataclass

@@ -179,36 +179,39 @@ class TargetModel:
 
     @torch.inference_mode()
     def verify_trees(self, cache: KVCache, trees: Sequence[Optional["DraftTree"]], *,
-                     budget: Optional[ExpertBudget] = None) -> ForwardOutput:
+                     budget: Optional[ExpertBudget] = None, read_back: bool = True) -> ForwardOutput:
         """:meth:`verify` of one :class:`moespec.spec.tree.DraftTree` per request (None: no tokens for
         that request), from the trees' own tensors: their packed ancestor masks and depths go to the
-        native step as they are (the contract guarantees the structure; token ids and the cache's
-        room are checked here). Call :meth:`commit` next."""
+        forward as they are (the contract guarantees the structure; token ids and the cache's room
+        are checked here). Call :meth:`commit` next.
+
+        ``read_back=False`` (trees on a GPU whose caller checks their tokens: eagle3's step, which
+        raises its deferred round's recorded problems before it commits): the trees' tokens and
+        parents are not copied to the host here (no synchronisation; commit reads the parents back
+        unless the acceptance did, :func:`moespec.spec.tree.host_lists`), and their token ids are
+        clamped into the vocabulary on the device instead of checked."""
         from moespec.runtime.state import tree_geometry
+        from moespec.spec.tree import HostLists, host_lists
 
         if cache.pending is not None:
             raise ValueError("a verified tree is pending: call commit before the next forward call")
         if len(trees) != cache.batch:
             raise ValueError(f"verify_trees: got {len(trees)} trees, the cache holds {cache.batch} requests")
         V = self.config.vocab_size
-        present = [t for t in trees if t is not None and t.num_nodes]
-        # every tree's tokens and parents in one copy to the host (trees on a GPU: one synchronisation)
-        flat = torch.cat([torch.cat((t.tokens.long(), t.parents.long())) for t in present]).tolist() if present else []
-        seqs, parents, at = [], [], 0
-        for b, tree in enumerate(trees):
-            n = tree.num_nodes if tree is not None else 0
-            seqs.append(flat[at: at + n])
-            parents.append(flat[at + n: at + 2 * n])
-            at += 2 * n
-            if n and (min(seqs[-1]) < 0 or max(seqs[-1]) >= V):
-                raise ValueError(f"verify_trees: tree {b} has token ids outside the vocabulary [0, {V})")
+        num = [t.num_nodes if t is not None else 0 for t in trees]
+        if read_back:  # every tree's tokens and parents in one copy to the host (trees on a GPU: one synchronisation)
+            for b, (tokens, _) in enumerate(host_lists(trees)[0]):
+                if tokens and (min(tokens) < 0 or max(tokens) >= V):
+                    raise ValueError(f"verify_trees: tree {b} has token ids outside the vocabulary [0, {V})")
+        for b, n in enumerate(num):
             if cache.lengths[b] + n > cache.max_len:
                 raise ValueError(f"cache overflow: request {b} holds {cache.lengths[b]} tokens, {n} more exceed "
                                  f"max_len={cache.max_len} (make the cache with a larger max_len)")
-        if not any(seqs):
+        if not any(num):
             raise ValueError("verify_trees: no tokens to run")
-        out = self.backend.forward(cache, seqs, parents, budget, last_only=False,
-                                   geo=tree_geometry(trees, cache.lengths))
+        seqs, parents = HostLists(trees, 0), HostLists(trees, 1)  # (read only where a backend needs the lists)
+        geo = tree_geometry(trees, cache.lengths, vocab=None if read_back else V)
+        out = self.backend.forward(cache, seqs, parents, budget, last_only=False, geo=geo)
         self._observe("verify", cache, seqs, parents, out)
         cache.pending = PendingTree(parents)
         return out

@@ -251,7 +251,7 @@ class NativeBackend:
 
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
                 budget: Optional[ExpertBudget], last_only: bool, geo: Optional[StepGeometry] = None) -> ForwardOutput:
-        num = [len(s) for s in seqs]
+        num = geo.num if geo is not None else [len(s) for s in seqs]
         P = sum(num)
         if P > NATIVE_MAX_TOKENS:
             return self.reference.forward(cache, seqs, parents, budget, last_only)

@@ -134,10 +134,10 @@ class PackedStep:
     slots: torch.Tensor  # long [P]: its cache slot
 
 
-def fits_eager(model: "TargetModel", seqs: list[list[int]]) -> bool:
-    """Whether :func:`eager_forward` takes a call: no routing observer, and at most
-    ``kMaxTreeTokens`` new tokens a request (a mask row's bits)."""
-    return model.observer is None and 0 < max(len(s) for s in seqs) <= native().kMaxTreeTokens
+def fits_eager(model: "TargetModel", num: list[int]) -> bool:
+    """Whether :func:`eager_forward` takes a call of ``num[b]`` new tokens a request: no routing
+    observer, and at most ``kMaxTreeTokens`` new tokens a request (a mask row's bits)."""
+    return model.observer is None and 0 < max(num) <= native().kMaxTreeTokens
 
 
 def eager_forward(fused: FusedForward, cache: "KVCache", seqs: list[list[int]], parents: Optional[list[list[int]]],
@@ -148,7 +148,7 @@ def eager_forward(fused: FusedForward, cache: "KVCache", seqs: list[list[int]], 
 
     model = fused.model
     geo = geo or step_geometry(seqs, cache.lengths, parents)
-    num = [len(s) for s in seqs]
+    num = geo.num
     B, d = len(seqs), model.device
     rows = torch.repeat_interleave(torch.arange(B), torch.tensor(num))  # [P]
     cols = torch.arange(rows.shape[0]) - torch.tensor(geo.offsets[:-1])[rows]

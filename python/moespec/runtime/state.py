@@ -30,6 +30,11 @@ class StepGeometry:
     positions: torch.Tensor  # long [P] rope positions: start + index (sequences) or start + depth (trees)
     mask: torch.Tensor  # int32 [P, W] mask words over the request's new tokens
 
+    @property
+    def num(self) -> list[int]:
+        """[B] new tokens of each request."""
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:])]
+
 
 def _words(bits: int, W: int) -> list[int]:
     """A row's bits as W int32 words (bit j % 32 of word j // 32), two's complement."""
@@ -66,16 +71,20 @@ def step_geometry(seqs: Sequence[Sequence[int]], starts: Sequence[int],
                         torch.tensor(mask, dtype=torch.int32).view(len(tokens), W))
 
 
-def tree_geometry(trees: Sequence[Optional["DraftTree"]], starts: Sequence[int]) -> StepGeometry:
+def tree_geometry(trees: Sequence[Optional["DraftTree"]], starts: Sequence[int],
+                  vocab: Optional[int] = None) -> StepGeometry:
     """The packed geometry of a verify call straight from the draft trees' own tensors (DESIGN.md
     "Contracts" -> "Draft tree": tokens, depth and the packed ancestor mask; None: no tokens for that
-    request), with no per-node Python work."""
+    request), with no per-node Python work; ``vocab``: token ids clamped into [0, vocab) (trees whose
+    ids were not checked on the host: no id reaches an embedding lookup out of range)."""
     present = [(b, t) for b, t in enumerate(trees) if t is not None and t.num_nodes]
     W = max(t.mask_words.shape[1] for _, t in present)
     offsets = [0]
     for t in trees:
         offsets.append(offsets[-1] + (t.num_nodes if t is not None else 0))
     tokens = torch.cat([t.tokens for _, t in present])
+    if vocab is not None:
+        tokens = tokens.clamp_(0, vocab - 1)
     positions = torch.cat([t.depth.long() + starts[b] for b, t in present])
     mask = torch.cat([F.pad(t.mask_words, (0, W - t.mask_words.shape[1])) for _, t in present])
     return StepGeometry(tokens, offsets, positions, mask.contiguous())

@@ -64,8 +64,10 @@ class StaticDraftRound:
         self.hidden = torch.zeros(B, head.config.hidden_size, dtype=head.dtype, device=dev)  # [B, H]
         self.graph = None
 
-    def run(self, roots: list[int], draft_logits: torch.Tensor, draft_hidden: torch.Tensor) -> list["DraftTree"]:
-        """This round's trees (clones) for ``roots`` and the head's output after them."""
+    def run(self, roots: list[int], draft_logits: torch.Tensor, draft_hidden: torch.Tensor, deferred: bool = False):
+        """This round's trees (clones) for ``roots`` and the head's output after them; ``deferred``:
+        the trees without their copy back and the round's problem flags on the device
+        (:meth:`moespec.spec.tree.TreeBuilder.deferred_trees`)."""
         dev = self.roots.device
         self.roots.copy_(to_device(roots, dev, torch.long))
         self.lengths.copy_(to_device(self.dc.lengths, dev, torch.long))
@@ -77,6 +79,9 @@ class StaticDraftRound:
             self._round()
             if dev.type in self.capture_on:
                 self._capture()
+        if deferred:
+            trees, flags = self.builder.deferred_trees()
+            return [t.clone() for t in trees], flags.clone()
         return [t.clone() for t in self.builder.finalize_host()]
 
     def _round(self) -> None:

@@ -39,7 +39,7 @@ from moespec.spec.draft_graph import StaticCatchUp, StaticDraftRound, causal_wor
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
 from moespec.spec.policies import Run, _cache_len, host_single_threaded
 from moespec.spec.sampling import accept, accept_greedy_trees, sample
-from moespec.spec.tree import TreeBuilder
+from moespec.spec.tree import TreeBuilder, host_lists
 
 
 class Eagle3Policy:
@@ -172,22 +172,28 @@ class Eagle3Policy:
     def step(self, run: Run, batch) -> list[Optional[list[int]]]:
         clock = time.perf_counter()
         active = [not r.finished for r in batch]
-        trees = self._draft(run, [r.last if a else 0 for r, a in zip(batch, active)], active)
+        # a torch core's round is not read back before the verify (flags: its recorded problems, on the
+        # device): the step's one copy back is the acceptance's, which checks them before the commit
+        trees, flags = self._draft(run, [r.last if a else 0 for r, a in zip(batch, active)], active, deferred=True)
         verify_start = time.perf_counter()
         out = self.target.verify_trees(run.cache, [t if a else None for t, a in zip(trees, active)],
-                                       budget=self.budget)
+                                       budget=self.budget, read_back=flags is None)
         verify_s = time.perf_counter() - verify_start
-        parents = run.cache.pending.parents
         run.last_expert_stats = out.expert_stats
         run.last_predicted_unique = None if self.selector is None else self.selector.predicted_unique
         # greedy requests accept where the logits are, all at once (one copy back per step); sampled ones
         # draw with their own generators on the host
         greedy = [a and r.params.greedy for r, a in zip(batch, active)]
-        accepted = accept_greedy_trees([t if gr else None for t, gr in zip(trees, greedy)], out.logits)
-        for b, r in enumerate(batch):
-            if active[b] and not greedy[b]:
-                n = trees[b].num_nodes
-                accepted[b] = accept(trees[b].tokens.tolist(), parents[b], out.logits[b, :n], r.params, r.generator)
+        accepted, problems = accept_greedy_trees([t if gr else None for t, gr in zip(trees, greedy)], out.logits,
+                                                 also=[flags] if flags is not None else [])
+        if flags is not None and not all(problems):
+            run.cache.pending = None  # (the verified trees are dropped: nothing of them is committed)
+            self._builder(len(batch)).raise_recorded(problems)
+        sampled = [b for b in range(len(batch)) if active[b] and not greedy[b]]
+        lists = host_lists([trees[b] if b in sampled else None for b in range(len(batch))])[0] if sampled else []
+        for b in sampled:
+            r, n = batch[b], trees[b].num_nodes
+            accepted[b] = accept(*lists[b], out.logits[b, :n], r.params, r.generator)
         self.target.commit(run.cache, [a.path if a else [] for a in accepted])
         self._catch_up(run, [a.tokens if a else [] for a in accepted], self._path_features(out.hidden, accepted),
                        static=True)
@@ -207,24 +213,37 @@ class Eagle3Policy:
                           taps[0].device, torch.long)  # [B, T]
         return tuple(h.gather(1, index[:, :, None].expand(-1, -1, h.shape[-1])) for h in taps)
 
-    def _draft(self, run: Run, roots: list[int], active: Optional[list[bool]] = None):
+    def _draft(self, run: Run, roots: list[int], active: Optional[list[bool]] = None, deferred: bool = False):
         """Builds every request's draft tree (steps 1-2); returns one DraftTree per request (those of
-        inactive requests are not verified; default: all active)."""
+        inactive requests are not verified; default: all active). ``deferred``: returns the trees and
+        their round's problem flags on the device, the torch core's trees not read back (their paths
+        None: :meth:`moespec.spec.tree.TreeBuilder.deferred_trees`), or None where the round was
+        checked on the host (the native core, a cost-aware choice)."""
         active = [True] * len(roots) if active is None else active
         dc = run.extra["draft_cache"]
         builder = self._builder(len(roots))
+        flags = None
         if self.static_round:  # static shapes: a CUDA graph on a GPU (no host synchronisation between levels)
             if self._static is None or self._static.dc is not dc or self._static.builder is not builder:
                 self._static = StaticDraftRound(self, builder, dc)
-            return self._static.run(roots, run.extra["draft_logits"], run.extra["draft_hidden"])
-        if self._host_round(dc):
+            trees = self._static.run(roots, run.extra["draft_logits"], run.extra["draft_hidden"], deferred)
+            trees, flags = trees if deferred else (trees, None)
+        elif self._host_round(dc):
             self._grow_native(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"])
-            return [t.clone() for t in builder.finalize()]
-        n = to_device(dc.lengths, self.target.device, torch.long)  # [B] accepted draft entries
-        level_hidden = self._grow(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"], n, active)
-        if self.selector is not None:
-            return self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden, active)
-        return [t.clone() for t in builder.finalize()]
+            trees = [t.clone() for t in builder.finalize()]
+        else:
+            n = to_device(dc.lengths, self.target.device, torch.long)  # [B] accepted draft entries
+            level_hidden = self._grow(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"], n,
+                                      active)
+            if self.selector is not None:
+                trees = self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden, active)
+            elif deferred and builder.on_device:
+                builder.finalize_device()
+                trees, flags = builder.deferred_trees()
+                trees = [t.clone() for t in trees]
+            else:
+                trees = [t.clone() for t in builder.finalize()]
+        return (trees, flags) if deferred else trees
 
     def _host_round(self, dc) -> bool:
         """Whether the round runs as :meth:`_grow_native` (no selector, the head native on the host)."""

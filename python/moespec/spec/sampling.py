@@ -159,39 +159,29 @@ def _greedy_walk(tokens: Sequence[int], parents: Sequence[int], choice: Sequence
         node = nxt
 
 
-def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Tensor,
-                        on_host: Optional[bool] = None) -> list[Optional[Acceptance]]:
+def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Tensor, on_host: Optional[bool] = None,
+                        also: Optional[Sequence[torch.Tensor]] = None):
     """Greedy acceptance of a batch of verified trees: ``trees[b]`` request b's tree (None: not
     verified), ``logits`` [B, T, V] the verify pass's (row i of request b: after node i). The same
     paths and tokens as :func:`accept` with greedy params gives for each tree: at each depth the
-    lowest-index child of the path's last node whose token is the target's argmax there.
+    lowest-index child of the path's last node whose token is the target's argmax there. Returns an
+    Acceptance (or None) per tree; with ``also`` (integer tensors on the logits' device, such as a
+    deferred draft round's problem flags), that list and their values, read back in the same copy.
 
-    One argmax where the logits are and one copy back (the choices [B, T], and the tokens and
-    parents of the trees that live on the logits' device, in one buffer), then each tree is walked on
-    the host (a few dozen Python steps). Until 2026-12-05 a GPU walked the trees in ~40 small tensor
-    ops, 1.1 ms of an H200's eagle3 step (tests/gpu/bench_runtime_cuda.py "accept"); on a CPU the
-    host walk was already ~3x faster than that tensor walk. ``on_host`` (default: for CPU logits):
-    the argmax through numpy (:func:`greedy_choice`) and the trees read as they are; False: the
-    argmax and the packing as on a GPU, wherever the logits are."""
-    live = [t for t in trees if t is not None]
-    if not live:
-        return [None] * len(trees)
+    One argmax where the logits are and one copy back (:func:`moespec.spec.tree.host_lists`: the
+    choices [B, T], the tokens and parents of the trees not read back yet, and ``also``), then each
+    tree is walked on the host (a few dozen Python steps). Until 2026-12-05 a GPU walked the trees
+    in ~40 small tensor ops, 1.1 ms of an H200's eagle3 step (tests/gpu/bench_runtime_cuda.py
+    "accept"); on a CPU the host walk was already ~3x faster than that tensor walk. ``on_host``
+    (default: for CPU logits): the argmax through numpy (:func:`greedy_choice`); False: the argmax
+    where the logits are, as on a GPU."""
+    from moespec.spec.tree import host_lists
+
     B, T = len(trees), logits.shape[1]
-    host_side = logits.device.type == "cpu" if on_host is None else on_host
-    choice = greedy_choice(logits) if host_side else logits.max(dim=-1).indices  # [B, T]
-    packed = [] if host_side else [t for t in live if t.tokens.device == logits.device]
-    flat = torch.cat([choice.reshape(-1).long()] + [x.reshape(-1).long() for t in packed
-                                                    for x in (t.tokens, t.parents)]).tolist()  # the one copy back
-    lists, at = {}, B * T
-    for t in packed:
-        n = t.tokens.numel()
-        lists[id(t)] = (flat[at: at + n], flat[at + n: at + 2 * n])
-        at += 2 * n
-    out: list[Optional[Acceptance]] = []
-    for b, t in enumerate(trees):
-        if t is None:
-            out.append(None)
-            continue
-        tokens, parents = lists[id(t)] if id(t) in lists else (t.tokens.tolist(), t.parents.tolist())
-        out.append(_greedy_walk(tokens, parents, flat[b * T: (b + 1) * T]))
-    return out
+    choice = []  # [B, T] the target's argmax after each node (none without a tree)
+    if any(t is not None for t in trees):
+        host_side = logits.device.type == "cpu" if on_host is None else on_host
+        choice = [greedy_choice(logits) if host_side else logits.max(dim=-1).indices]
+    lists, flat = host_lists(trees, choice + list(also or ()))  # the one copy back
+    out = [None if t is None else _greedy_walk(*lists[b], flat[b * T: (b + 1) * T]) for b, t in enumerate(trees)]
+    return out if also is None else (out, flat[B * T if choice else 0:])

@@ -26,7 +26,7 @@ M tree nodes without the root (M <= total_tokens), W = ceil((M + 1) / 32) mask w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from moespec._loader import native
 from moespec._tensor import view
 
-__all__ = ["Candidates", "DraftTree", "Frontier", "TreeBuilder", "pack_mask", "unpack_mask"]
+__all__ = ["Candidates", "DraftTree", "Frontier", "HostLists", "TreeBuilder", "host_lists", "pack_mask",
+           "unpack_mask"]
 
 _BIT = torch.arange(32, dtype=torch.int32)  # [32]
 
@@ -93,9 +94,10 @@ class DraftTree:
     mask_words : Tensor int32 [M+1, W]
         Ancestor-or-self attention mask, bit-packed: bit ``j % 32`` of word ``j // 32`` of row ``i``
         is set iff node ``j`` is node ``i`` or one of its ancestors. :meth:`mask` unpacks it.
-    paths : Tensor int32 [P, max_depth+1]
+    paths : Tensor int32 [P, max_depth+1], or None
         Node indices from the root to each leaf (a node that is nobody's parent), padded with -1,
-        rows in lexicographic order: the ``retrieve_indices`` of acceptance.
+        rows in lexicographic order: the ``retrieve_indices`` of acceptance. None in the trees of
+        :meth:`TreeBuilder.deferred_trees` (their shapes not read back yet; a step's own trees).
     scores : Tensor float32 [M+1]
         Cumulative draft log-probability of each node (root 0).
     candidates : Tensor int32 [M+1]
@@ -106,9 +108,11 @@ class DraftTree:
     parents: torch.Tensor
     depth: torch.Tensor
     mask_words: torch.Tensor
-    paths: torch.Tensor
+    paths: Optional[torch.Tensor]
     scores: torch.Tensor
     candidates: torch.Tensor
+    # tokens and parents as host lists, once read (host_lists): a tree read back once is not read again
+    host: Optional[tuple[list[int], list[int]]] = field(default=None, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:
@@ -121,8 +125,55 @@ class DraftTree:
 
     def clone(self) -> "DraftTree":
         """A copy that owns its memory (the builder's next finalize does not change it)."""
-        return DraftTree(*(t.clone() for t in (self.tokens, self.parents, self.depth, self.mask_words, self.paths,
-                                                self.scores, self.candidates)))
+        return DraftTree(*(t.clone() if t is not None else None for t in (
+            self.tokens, self.parents, self.depth, self.mask_words, self.paths, self.scores, self.candidates)),
+            host=self.host)
+
+
+def host_lists(trees: Sequence[Optional[DraftTree]],
+               also: Sequence[torch.Tensor] = ()) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """Each tree's tokens and parents as host lists (([], []) for None), read back once: the trees
+    not read yet come back together, with ``also`` (integer tensors on their device: a step's argmax
+    choices, a deferred round's problem flags) in the same copy (one synchronisation for trees on a
+    GPU), and keep their lists (:attr:`DraftTree.host`). Returns the lists and ``also``'s values,
+    flattened one after the other."""
+    todo = [t for t in trees if t is not None and t.host is None]
+    parts = [x.reshape(-1) for t in todo for x in (t.tokens, t.parents)] + [x.reshape(-1) for x in also]
+    values: list[list[int]] = [[] for _ in parts]
+    for device in {x.device for x in parts}:  # (one copy a device: trees on the CPU beside GPU logits)
+        mine = [i for i, x in enumerate(parts) if x.device == device]
+        flat, at = torch.cat([parts[i].long() for i in mine]).tolist(), 0
+        for i in mine:
+            values[i], at = flat[at: at + parts[i].numel()], at + parts[i].numel()
+    for j, t in enumerate(todo):
+        object.__setattr__(t, "host", (values[2 * j], values[2 * j + 1]))
+    return [t.host if t is not None else ([], []) for t in trees], [v for x in values[2 * len(todo):] for v in x]
+
+
+class HostLists(Sequence):
+    """The trees' tokens (``column`` 0) or parents (1) as host lists, read back (:func:`host_lists`)
+    at the first look at an item: a verify step whose trees stay on the device until the acceptance
+    reads them back takes its lengths from the trees and needs no copy of its own."""
+
+    def __init__(self, trees: Sequence[Optional[DraftTree]], column: int):
+        self.trees, self.column = list(trees), column
+        self._lists: Optional[list] = None
+
+    def __len__(self) -> int:
+        return len(self.trees)
+
+    def __getitem__(self, b):
+        if self._lists is None:
+            self._lists = host_lists(self.trees)[0]
+        return [lists[self.column] for lists in self._lists[b]] if isinstance(b, slice) else self._lists[b][self.column]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # (mutable, as a list)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass(frozen=True, eq=False)
@@ -388,6 +439,26 @@ class TreeBuilder:
             raise ValueError("finalize_device: the native core finalizes on the host: call finalize")
         self._core.finalize(self._current_layout()[1])
 
+    @property
+    def on_device(self) -> bool:
+        """Whether the torch core builds the trees (finalize_device, finalize_host, deferred_trees)."""
+        return self._core is not None
+
+    def deferred_trees(self) -> tuple[list[DraftTree], torch.Tensor]:
+        """:meth:`finalize_host` without its copy back, for a step that reads the trees back once,
+        later (moespec.spec.eagle3_policy): the trees as views of the buffers, their ``paths`` None
+        (their shapes not known on the host), and the round's problem flags on the device (int32 [F],
+        to copy back with the step's results and hand to :meth:`raise_recorded` before the trees'
+        results are used: until then their tokens are unchecked)."""
+        if self._core is None:
+            raise ValueError("deferred_trees: the native core finalizes on the host: call finalize")
+        return self._trees(None), self._core.problems.int()
+
+    def raise_recorded(self, flags: Sequence[int]) -> None:
+        """Raises the first problem a deferred round recorded (``flags``: the values of
+        :meth:`deferred_trees`' flags), naming the argument."""
+        self._core.raise_recorded(flags)
+
     def finalize_host(self) -> list[DraftTree]:
         """The other half: the round's one copy back (the paths' shapes and the problems recorded on
         the device; a GPU's one synchronisation), then the trees as views of the buffers."""
@@ -404,13 +475,16 @@ class TreeBuilder:
             self._by_levels[levels] = self._layout(levels)
         return self._by_levels[levels]
 
-    def _trees(self, host: list[int]) -> list[DraftTree]:
+    def _trees(self, host: Optional[list[int]]) -> list[DraftTree]:
+        """The trees as views of the buffers; ``host``: each tree's leaf count, then its depth (None: the
+        paths unknown)."""
         B, slices = self.batch, self._current_layout()[2]
         trees = []
-        for (tokens, parents, depth, mask, paths, strides, offset, scores, candidates), leaves, max_depth in zip(
-                slices, host[:B], host[B: 2 * B]):
-            paths = paths.as_strided((leaves, max_depth + 1), strides, offset)  # [P, max_depth+1]
-            trees.append(DraftTree(tokens, parents, depth, mask, paths, scores, candidates))
+        for b, (tokens, parents, depth, mask, paths, strides, offset, scores, candidates) in enumerate(slices):
+            if host is not None:
+                paths = paths.as_strided((host[b], host[B + b] + 1), strides, offset)  # [P, max_depth+1]
+            trees.append(DraftTree(tokens, parents, depth, mask, paths if host is not None else None, scores,
+                                   candidates))
         return trees
 
     def candidates(self, b: int) -> Candidates:
