@@ -233,14 +233,16 @@ class TargetModel:
             for prev, node in zip(path, path[1:]):
                 if not 0 <= node < len(ps) or ps[node] != prev:
                     raise ValueError(f"commit: request {b}: node {node} is not a child of node {prev}")
+        # every request's moves at once: entry j of request b's path goes from slot start_b + path[j] to
+        # start_b + j (each source read before any write: a path's sources are at or after its targets)
+        rows = [(b, cache.lengths[b] + node, cache.lengths[b] + j) for b, path in enumerate(paths)
+                for j, node in enumerate(path)]
+        if rows:
+            b, src, dst = to_device(list(zip(*rows)), cache.k.device, torch.long)  # [3, N], one copy
+            cache.k[:, b, :, dst] = cache.k[:, b, :, src]  # ([N, L, Hkv, D] each side)
+            cache.v[:, b, :, dst] = cache.v[:, b, :, src]
         for b, path in enumerate(paths):
-            if path:
-                start = cache.lengths[b]
-                src = to_device(path, cache.k.device) + start
-                dst = torch.arange(len(path), device=cache.k.device) + start
-                cache.k[:, b, :, dst] = cache.k[:, b, :, src]
-                cache.v[:, b, :, dst] = cache.v[:, b, :, src]
-                cache.lengths[b] = start + len(path)
+            cache.lengths[b] += len(path)
         cache.pending = None
 
     # ---- internals --------------------------------------------------------------------------------
