@@ -377,13 +377,17 @@ def test_the_draft_rounds_kernel_count_on_a_gpus_paths(tmp_path):
     catch-up on the GPU's code paths stay within the kernels they had after 2026-12-05's trims (297
     and 45 before: the head's logits norm, its rope table, the levels' constant mask bits and the
     deferred checks reduced into their flags), with moespec's ops counted as their kernels and no
-    plain-torch body counted."""
+    plain-torch body counted; and the step's own launches besides its graphs, at B = 1 and 8."""
     import json
 
     from moespec.tools import count_kernels
 
     got = count_kernels.count(depth=4, top_k=4, nodes=8)
     assert got["round"]["kernels"] <= 250 and got["catch_up"]["kernels"] <= 40, got
+    # the step besides its three graphs: 41 before the trees were left uncopied and the verify's
+    # geometry and the acceptance's copy back made in a few launches for any B (2026-12-06)
+    assert got["step"]["kernels"] <= 32 and got["step"]["graphs"] == ["catch_up", "round", "verify"], got["step"]
+    assert count_kernels.count(depth=4, top_k=4, nodes=8, batch=8)["step"]["kernels"] <= 40  # (110 before)
     for name in ("round", "catch_up"):
         ops = got[name]["ops"]
         assert ops["[linear]"] >= 6 and ops["[rms_norm]"] >= 3 and ops["[tree_attention]"] >= 2, ops

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from moespec._tensor import to_device
+
 if TYPE_CHECKING:
     from moespec.spec.tree import DraftTree
 
@@ -85,8 +87,10 @@ def tree_geometry(trees: Sequence[Optional["DraftTree"]], starts: Sequence[int],
     tokens = torch.cat([t.tokens for _, t in present])
     if vocab is not None:
         tokens = tokens.clamp_(0, vocab - 1)
-    positions = torch.cat([t.depth.long() + starts[b] for b, t in present])
-    mask = torch.cat([F.pad(t.mask_words, (0, W - t.mask_words.shape[1])) for _, t in present])
+    start = to_device([starts[b] for b, t in present for _ in range(t.num_nodes)], tokens.device, torch.long)  # [P]
+    positions = torch.cat([t.depth for _, t in present]) + start  # (a few launches for any B)
+    mask = torch.cat([t.mask_words if t.mask_words.shape[1] == W else F.pad(t.mask_words, (0, W - t.mask_words.shape[1]))
+                      for _, t in present])
     return StepGeometry(tokens, offsets, positions, mask.contiguous())
 
 

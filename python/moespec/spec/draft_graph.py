@@ -66,7 +66,8 @@ class StaticDraftRound:
 
     def run(self, roots: list[int], draft_logits: torch.Tensor, draft_hidden: torch.Tensor, deferred: bool = False):
         """This round's trees (clones) for ``roots`` and the head's output after them; ``deferred``:
-        the trees without their copy back and the round's problem flags on the device
+        the trees without their copy back, as views of the builder's buffers (valid until the next
+        round), and the round's problem flags on the device
         (:meth:`moespec.spec.tree.TreeBuilder.deferred_trees`)."""
         dev = self.roots.device
         self.roots.copy_(to_device(roots, dev, torch.long))
@@ -79,9 +80,8 @@ class StaticDraftRound:
             self._round()
             if dev.type in self.capture_on:
                 self._capture()
-        if deferred:
-            trees, flags = self.builder.deferred_trees()
-            return [t.clone() for t in trees], flags.clone()
+        if deferred:  # (views: the step reads them before the next round rewrites the buffers)
+            return self.builder.deferred_trees()
         return [t.clone() for t in self.builder.finalize_host()]
 
     def _round(self) -> None:

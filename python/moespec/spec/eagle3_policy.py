@@ -216,9 +216,10 @@ class Eagle3Policy:
     def _draft(self, run: Run, roots: list[int], active: Optional[list[bool]] = None, deferred: bool = False):
         """Builds every request's draft tree (steps 1-2); returns one DraftTree per request (those of
         inactive requests are not verified; default: all active). ``deferred``: returns the trees and
-        their round's problem flags on the device, the torch core's trees not read back (their paths
-        None: :meth:`moespec.spec.tree.TreeBuilder.deferred_trees`), or None where the round was
-        checked on the host (the native core, a cost-aware choice)."""
+        their round's problem flags on the device, the torch core's trees not read back and not copied
+        (views of the builder's buffers, their paths None: :meth:`moespec.spec.tree.TreeBuilder.deferred_trees`;
+        a step uses them before its next round), or None where the round was checked on the host (the
+        native core, a cost-aware choice)."""
         active = [True] * len(roots) if active is None else active
         dc = run.extra["draft_cache"]
         builder = self._builder(len(roots))
@@ -240,7 +241,6 @@ class Eagle3Policy:
             elif deferred and builder.on_device:
                 builder.finalize_device()
                 trees, flags = builder.deferred_trees()
-                trees = [t.clone() for t in trees]
             else:
                 trees = [t.clone() for t in builder.finalize()]
         return (trees, flags) if deferred else trees

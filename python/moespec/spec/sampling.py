@@ -165,7 +165,7 @@ def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Te
     verified), ``logits`` [B, T, V] the verify pass's (row i of request b: after node i). The same
     paths and tokens as :func:`accept` with greedy params gives for each tree: at each depth the
     lowest-index child of the path's last node whose token is the target's argmax there. Returns an
-    Acceptance (or None) per tree; with ``also`` (integer tensors on the logits' device, such as a
+    Acceptance (or None) per tree; with ``also`` (integer or bool tensors on the logits' device, such as a
     deferred draft round's problem flags), that list and their values, read back in the same copy.
 
     One argmax where the logits are and one copy back (:func:`moespec.spec.tree.host_lists`: the

@@ -133,7 +133,7 @@ class DraftTree:
 def host_lists(trees: Sequence[Optional[DraftTree]],
                also: Sequence[torch.Tensor] = ()) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
     """Each tree's tokens and parents as host lists (([], []) for None), read back once: the trees
-    not read yet come back together, with ``also`` (integer tensors on their device: a step's argmax
+    not read yet come back together, with ``also`` (integer or bool tensors on their device: a step's argmax
     choices, a deferred round's problem flags) in the same copy (one synchronisation for trees on a
     GPU), and keep their lists (:attr:`DraftTree.host`). Returns the lists and ``also``'s values,
     flattened one after the other."""
@@ -142,7 +142,7 @@ def host_lists(trees: Sequence[Optional[DraftTree]],
     values: list[list[int]] = [[] for _ in parts]
     for device in {x.device for x in parts}:  # (one copy a device: trees on the CPU beside GPU logits)
         mine = [i for i, x in enumerate(parts) if x.device == device]
-        flat, at = torch.cat([parts[i].long() for i in mine]).tolist(), 0
+        flat, at = torch.cat([parts[i] for i in mine]).tolist(), 0  # (one launch: cat promotes the dtypes)
         for i in mine:
             values[i], at = flat[at: at + parts[i].numel()], at + parts[i].numel()
     for j, t in enumerate(todo):
@@ -447,12 +447,13 @@ class TreeBuilder:
     def deferred_trees(self) -> tuple[list[DraftTree], torch.Tensor]:
         """:meth:`finalize_host` without its copy back, for a step that reads the trees back once,
         later (moespec.spec.eagle3_policy): the trees as views of the buffers, their ``paths`` None
-        (their shapes not known on the host), and the round's problem flags on the device (int32 [F],
-        to copy back with the step's results and hand to :meth:`raise_recorded` before the trees'
-        results are used: until then their tokens are unchecked)."""
+        (their shapes not known on the host), and the round's problem flags on the device (bool [F],
+        a view, valid until the next round as the trees are: to copy back with the step's results and
+        hand to :meth:`raise_recorded` before the trees' results are used: until then their tokens
+        are unchecked)."""
         if self._core is None:
             raise ValueError("deferred_trees: the native core finalizes on the host: call finalize")
-        return self._trees(None), self._core.problems.int()
+        return self._trees(None), self._core.problems
 
     def raise_recorded(self, flags: Sequence[int]) -> None:
         """Raises the first problem a deferred round recorded (``flags``: the values of

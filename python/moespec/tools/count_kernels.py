@@ -1,10 +1,13 @@
-"""Kernels an EAGLE-3 step's draft round and catch-up launch on a GPU, counted on the CPU:
+"""Kernels an EAGLE-3 step's draft round and catch-up launch on a GPU, and the step besides its
+graphs, counted on the CPU:
 
     python -m moespec.tools.count_kernels [--depth 4] [--top-k 4] [--nodes 8] [--batch 1] [--json out.json]
 
 A captured draft round (moespec.spec.draft_graph) replays a fixed list of kernels whose count, not
 their bytes, sets its time at decode sizes (an H200 took 2.5 ms for a round of a few hundred, of a
-10.4 ms eagle3 step, 2026-12-04). This runs greedy eagle3 steps of a tiny random Qwen3-MoE on the
+10.4 ms eagle3 step, 2026-12-04); what the step launches outside its graphs (the round, the verify
+forward, the catch-up: one replay each) the host launches one by one ("step"). This runs greedy
+eagle3 steps of a tiny random Qwen3-MoE on the
 CPU through the code paths a GPU takes (the head's torch ops instead of the native step, the torch
 tree core with its checks deferred, draft graphs' static round and catch-up) and counts the torch
 ops each static call dispatches: views, allocations and no-op conversions are not kernels;
@@ -34,27 +37,28 @@ FUSED_KERNELS = {"rms_norm": 1, "attention_inputs": 1, "tree_attention": 2}  # m
 
 
 class _Counter(TorchDispatchMode):
+    """Counts each dispatched op under the innermost label of ``labels`` (pushed by the wrapped calls)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.ops: collections.Counter = collections.Counter()
+        self.ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.labels = ["step"]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
+        self.ops[self.labels[-1]][func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
-def _counted_ops(active: list) -> Iterator[None]:
+def _counted_ops(counter: _Counter) -> Iterator[None]:
     """moespec's decoder ops and the head's projections counted as their CUDA kernels (their CPU
-    bodies run uncounted) while ``active`` holds a counter."""
+    bodies run uncounted) under ``counter``'s current label."""
     from moespec.ops import decoder
     from moespec.spec import eagle3
 
     def one(name: str, fn, kernels: int):
         def wrapped(*args, **kwargs):
-            if not active:
-                return fn(*args, **kwargs)
-            active[-1].ops[f"[{name}]"] += kernels
+            counter.ops[counter.labels[-1]][f"[{name}]"] += kernels
             with _disable_current_modes():
                 return fn(*args, **kwargs)
         return wrapped
@@ -98,9 +102,11 @@ def _tiny_model():
 
 
 def count(depth: int = 4, top_k: int = 4, nodes: int = 8, batch: int = 1, steps: int = 2) -> dict:
-    """{"round": {"kernels": n, "ops": {op: count}}, "catch_up": {...}}: one static draft round's and
-    the last static catch-up's kernels on a GPU's code paths (see the module docstring)."""
+    """{"round": {"kernels": n, "ops": {op: count}}, "catch_up": {...}, "step": {..., "graphs": [names]}}:
+    the last step's static draft round, static catch-up and what it launched outside its graphs
+    (``graphs``: those it replayed), on a GPU's code paths (see the module docstring)."""
     from moespec import SamplingParams, SpeculativeConfig
+    from moespec.runtime import graphs
     from moespec.spec import draft_graph
     from moespec.spec.eagle3_policy import Eagle3Policy
     from moespec.spec.llm import _Request
@@ -125,37 +131,41 @@ def count(depth: int = 4, top_k: int = 4, nodes: int = 8, batch: int = 1, steps:
     run = policy.start(requests)
     for r, first in zip(requests, run.first_tokens):
         r.output.append(first)
-    active: list[_Counter] = []
-    counts: dict[str, collections.Counter] = {}
+    counter = _Counter()
 
-    def counting(name: str, fn):
+    def labelled(name: str, fn):
         def wrapped(self, *args, **kwargs):
             builder = getattr(self, "builder", None)
             if builder is not None:  # value checks deferred to the finalize, as on a GPU
                 builder._core.check_now = False
-            active.append(_Counter())
+            counter.labels.append(name)
             try:
-                with active[-1]:
-                    return fn(self, *args, **kwargs)
+                return fn(self, *args, **kwargs)
             finally:
-                counts[name] = active.pop().ops
+                counter.labels.pop()
         return wrapped
 
-    calls = (draft_graph.StaticDraftRound, "_round", "round"), (draft_graph.StaticCatchUp, "_call", "catch_up")
+    # the parts a GPU replays as CUDA graphs (one launch each), each under its own label
+    calls = ((draft_graph.StaticDraftRound, "_round", "round"), (draft_graph.StaticCatchUp, "_call", "catch_up"),
+             (graphs.StaticStep, "_forward", "verify"))
     saved = [(cls, attr, getattr(cls, attr)) for cls, attr, _ in calls]
     try:
         for (cls, attr, name), (_, _, fn) in zip(calls, saved):
-            setattr(cls, attr, counting(name, fn))
-        with _counted_ops(active):
-            for _ in range(steps):
+            setattr(cls, attr, labelled(name, fn))
+        for _ in range(steps):
+            counter.ops.clear()  # (the last step's counts are kept)
+            with _counted_ops(counter), counter:
                 for r, emitted in zip(requests, policy.step(run, requests)):
                     r.output.extend(emitted)
     finally:
         for cls, attr, fn in saved:
             setattr(cls, attr, fn)
+    counts = dict(counter.ops)
     kernels = {name: {op: n for op, n in ops.items() if op not in NOT_KERNELS} for name, ops in counts.items()}
-    return {name: {"kernels": sum(ops.values()), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
-            for name, ops in kernels.items()}
+    out = {name: {"kernels": sum(ops.values()), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
+           for name, ops in kernels.items() if name != "verify"}  # (the verify forward's own: not counted here)
+    out["step"]["graphs"] = sorted(name for name in ("round", "catch_up", "verify") if name in counts)
+    return out
 
 
 def main(argv=None) -> int:
@@ -173,7 +183,8 @@ def main(argv=None) -> int:
     result = count(args.depth, args.top_k, args.nodes, args.batch)
     for name, c in result.items():
         top = ", ".join(f"{op} {n}" for op, n in list(c["ops"].items())[:12])
-        print(f"{name}: {c['kernels']} kernels ({top}, ...)")
+        besides = f" besides one replay of each of its graphs ({', '.join(c['graphs'])})" if "graphs" in c else ""
+        print(f"{name}: {c['kernels']} kernels{besides} ({top}, ...)")
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
