@@ -165,15 +165,15 @@ def eagle3_step_parts(m: TargetModel, steps: int = 12) -> dict:
             return out
         return wrapper
 
-    saved = (policy._draft, policy._catch_up, m.verify_trees, m.commit, eagle3_policy.accept_greedy_trees)
+    saved = (policy._draft, policy._catch_up, m.verify_trees, m.commit, eagle3_policy.accept_trees)
     policy._draft, policy._catch_up = timed("draft", policy._draft), timed("catch-up", policy._catch_up)
     m.verify_trees, m.commit = timed("verify", m.verify_trees), timed("commit", m.commit)
-    eagle3_policy.accept_greedy_trees = timed("accept", eagle3_policy.accept_greedy_trees)
+    eagle3_policy.accept_trees = timed("accept", eagle3_policy.accept_trees)
     try:
         for _ in range(steps):
             step()
     finally:
-        policy._draft, policy._catch_up, m.verify_trees, m.commit, eagle3_policy.accept_greedy_trees = saved
+        policy._draft, policy._catch_up, m.verify_trees, m.commit, eagle3_policy.accept_trees = saved
     parts.update({k: v / steps * 1e3 for k, v in spent.items()})
     return parts
 

@@ -170,12 +170,13 @@ def test_graphs_over_a_short_cache_survive_a_longer_one(folder):
         _close(d[1].logits, d[0].logits, 1e-4, f"short cache again, token {token}")
 
 
-@pytest.mark.parametrize("draft_graphs", ["0", "1"])
-def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, draft_graphs, monkeypatch):
-    """Greedy eagle3 on CUDA (graphs backend, the torch tree core, the head's torch path) synchronises
-    with the host once a step: the acceptance's copy back (the argmax choices, the trees' tokens and
-    parents, the draft round's problem flags; three copies a step until 2026-12-06: the finalize's
-    tree shapes and the verify's tree tokens besides). Host values go to the device through pinned
+@pytest.mark.parametrize("draft_graphs,sampled", [("0", False), ("1", False), ("1", True)])
+def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, draft_graphs, sampled, monkeypatch):
+    """Eagle3 on CUDA (graphs backend, the torch tree core, the head's torch path; greedy, or one request
+    sampled) synchronises with the host once a step: the acceptance's copy back (the argmax choices,
+    the sampled tree's token probabilities and bonus draws, the trees' tokens and parents, the draft
+    round's problem flags; three copies a step until 2026-12-06: the finalize's tree shapes and the
+    verify's tree tokens besides, and two more for a sampled request). Host values go to the device through pinned
     memory (moespec._tensor.to_device) and the head writes its cache without nonzero: torch's sync
     debug mode counts every other synchronisation (tests/python/test_graphs.py counts the host reads
     of the same paths on the CPU)."""
@@ -191,7 +192,8 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, d
     target.backend_name = "graphs"
     head = new_head(target.config, target.weights.embed, None, seed=0).to("cuda")
     policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6))
-    requests = [_Request(i, None, list(p), SamplingParams(max_tokens=64, ignore_eos=True), set())
+    hot = dict(temperature=0.8, top_p=0.9, seed=3) if sampled else {}
+    requests = [_Request(i, None, list(p), SamplingParams(max_tokens=64, ignore_eos=True, **(hot if i else {})), set())
                 for i, p in enumerate(PROMPTS)]
     run = policy.start(requests)
     for r, first in zip(requests, run.first_tokens):

@@ -229,14 +229,17 @@ def _gpu_like_paths(folder, monkeypatch):
 HOST_READS = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
 
-def test_a_greedy_eagle3_step_reads_the_device_back_once(folder, monkeypatch):
-    """A greedy eagle3 step on a GPU's code paths (draft graphs, the torch tree core, the graphs
-    backend, the argmax where the logits are), on the CPU: every host read of a tensor's values
-    (tolist, item, numpy, cpu, bool/int/float) is counted, but those in the CPU bodies of moespec's
-    decoder kernels: one a step, the acceptance's copy back (the round's problem flags, the trees'
-    tokens and parents and the argmax choices together). Until 2026-12-06 a step read back three
-    times (the round's shapes at the finalize, the trees' tokens for the verify's checks, then the
-    acceptance): on a GPU each a synchronisation (tests/gpu/test_runtime_cuda.py counts them there)."""
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "greedy+sampled"])
+def test_an_eagle3_step_reads_the_device_back_once(folder, sampled, monkeypatch):
+    """An eagle3 step on a GPU's code paths (draft graphs, the torch tree core, the graphs backend,
+    the argmax where the logits are), on the CPU: every host read of a tensor's values (tolist, item,
+    numpy, cpu, bool/int/float) is counted, but those in the CPU bodies of moespec's decoder kernels
+    and of the uniforms a sampled request draws on the host from its generator: one a step, the
+    acceptance's copy back (the round's problem flags, the trees' tokens and parents, the argmax
+    choices and the sampled tree's token probabilities and bonus draws together). Until 2026-12-06 a
+    step read back three times (the round's shapes at the finalize, the trees' tokens for the
+    verify's checks, then the acceptance), and a sampled request twice more (its tree, its logits):
+    on a GPU each a synchronisation (tests/gpu/test_runtime_cuda.py counts them there)."""
     import traceback
 
     from moespec.spec import eagle3_policy
@@ -244,11 +247,12 @@ def test_a_greedy_eagle3_step_reads_the_device_back_once(folder, monkeypatch):
     from moespec.spec.llm import _Request
 
     target, head = _gpu_like_paths(folder, monkeypatch)
-    monkeypatch.setattr(eagle3_policy, "accept_greedy_trees",
-                        functools.partial(eagle3_policy.accept_greedy_trees, on_host=False))
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    monkeypatch.setattr(eagle3_policy, "accept_trees",
+                        functools.partial(eagle3_policy.accept_trees, on_host=False))
+    params = [SamplingParams(max_tokens=40, ignore_eos=True),
+              SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8 if sampled else 0.0, top_p=0.9, seed=3)]
     policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=4, top_k=4, total_tokens=8))
-    requests = [_Request(i, None, list(p), params, set()) for i, p in enumerate(PROMPTS)]
+    requests = [_Request(i, None, list(p), q, set()) for i, (p, q) in enumerate(zip(PROMPTS, params))]
     run = policy.start(requests)
     for r, first in zip(requests, run.first_tokens):
         r.output.append(first)
@@ -258,18 +262,26 @@ def test_a_greedy_eagle3_step_reads_the_device_back_once(folder, monkeypatch):
             r.output.extend(emitted)
 
     step()  # (the capture)
-    reads = collections.Counter()
+    reads, draws = collections.Counter(), set()  # draws: the host uniforms' storage
 
     def counted(name, fn):
         def read(self, *args, **kwargs):
             stack = traceback.extract_stack()[:-1]
-            if not any(f.filename.endswith("moespec/ops/decoder.py") for f in stack):  # (a kernel's CPU body)
+            if not any(f.filename.endswith("moespec/ops/decoder.py") for f in stack) and \
+                    self.untyped_storage().data_ptr() not in draws:  # (a kernel's CPU body, a host draw)
                 reads[f"{name} at {stack[-1].filename.rsplit('/', 1)[-1]}:{stack[-1].lineno}"] += 1
             return fn(self, *args, **kwargs)
         return read
 
+    def rand(*args, **kwargs):
+        t = torch_rand(*args, **kwargs)
+        draws.add(t.untyped_storage().data_ptr())
+        return t
+
+    torch_rand = torch.rand
     steps = 4
     with monkeypatch.context() as patch:
+        patch.setattr(torch, "rand", rand)
         for name in HOST_READS:
             patch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
         for _ in range(steps):
@@ -287,8 +299,8 @@ def test_a_deferred_rounds_problem_is_raised_by_the_step_before_its_commit(folde
     from moespec.spec.llm import _Request
 
     target, head = _gpu_like_paths(folder, monkeypatch)
-    monkeypatch.setattr(eagle3_policy, "accept_greedy_trees",
-                        functools.partial(eagle3_policy.accept_greedy_trees, on_host=False))
+    monkeypatch.setattr(eagle3_policy, "accept_trees",
+                        functools.partial(eagle3_policy.accept_trees, on_host=False))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=3, top_k=2, total_tokens=4))
     requests = [_Request(i, None, list(p), params, set()) for i, p in enumerate(PROMPTS)]

@@ -74,19 +74,26 @@ def test_probabilities_apply_temperature_top_k_and_top_p():
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
                                     SamplingParams(temperature=1.3, top_p=0.8)])
-def test_speculative_sampling_emits_the_targets_distribution(params):
+@pytest.mark.parametrize("batched", [False, True], ids=["accept", "accept_trees"])
+@pytest.mark.parametrize("first", [(0, 1, 2), (4, 5, 2)], ids=["unlikely-first", "likeliest-first"])
+def test_speculative_sampling_emits_the_targets_distribution(params, batched, first):
     """Two emitted tokens' joint distribution against the target's p(x1) p(x2 | x1), over 15000
-    draws; the tree drafts the likeliest and some unlikely tokens (with a duplicate-free sibling
-    order), and the tolerance is 4 standard errors of a multinomial frequency."""
+    draws; the tree drafts unlikely tokens first, or the likeliest (then a rejected sibling's mass
+    is large: the later siblings' tests must renormalise), with a duplicate-free sibling order, and
+    the tolerance is 4 standard errors of a multinomial frequency. ``accept_trees``: the tree in a
+    batch beside a greedy request's (its values packed into the same copy back)."""
+    from moespec.spec.sampling import accept_trees
+
     V = 6
     g = torch.Generator().manual_seed(0)
-    # root children: tokens 0, 1, 2; node for token 0 has children 3 and 0; node for token 1 has child 5
-    tokens, parents = [9, 0, 1, 2, 3, 0, 5], [-1, 0, 0, 0, 1, 1, 2]
-    logits = torch.randn(7, V, generator=g) * 1.5
+    # root children: tokens a, b, c (first); node for token a has children 3 and a; node for b has child 5
+    a, b, c = first
+    tokens, parents = [9, a, b, c, 3, a, 5], [-1, 0, 0, 0, 1, 1, 2]
+    logits = torch.randn(7, V, generator=g) * 1.5  # (row 0: p(4) 0.45, p(5) 0.35 at temperature 1)
     # the target distribution after token x at the root: row of the node holding x, else the
     # continuation logits below (a node not in the tree): use row 0 of a fresh table for those
     off_tree = torch.randn(V, V, generator=g) * 1.5
-    node_of = {0: 1, 1: 2, 2: 3}
+    node_of = {a: 1, b: 2, c: 3}
 
     def p_next(x1):
         row = logits[node_of[x1]] if x1 in node_of else off_tree[x1]
@@ -96,8 +103,12 @@ def test_speculative_sampling_emits_the_targets_distribution(params):
     want = torch.stack([p1[x] * p_next(x) for x in range(V)])  # [V, V]
     counts = torch.zeros(V, V)
     draws = 15000
+    tree, batch = _tree(tokens, parents), torch.stack([logits, logits.flip(0)])
     for _ in range(draws):
-        got = accept(tokens, parents, logits, params, g)
+        if batched:
+            got = accept_trees([tree, tree], batch, [params, SamplingParams()], [g, None], on_host=False)[0]
+        else:
+            got = accept(tokens, parents, logits, params, g)
         x1 = got.tokens[0]
         if len(got.tokens) >= 2:
             x2 = got.tokens[1]
@@ -129,8 +140,12 @@ def _tree(tokens: list[int], parents: list[int]):
 def test_batched_greedy_acceptance_equals_the_walk(sizes, seed, on_host):
     """accept_greedy_trees (the argmax and packing as on a GPU, one copy back; or the host argmax)
     gives each tree exactly accept()'s greedy path and tokens: duplicate sibling tokens (the
-    lowest-index child wins), unequal sizes, requests without a tree."""
-    from moespec.spec.sampling import accept_greedy_trees
+    lowest-index child wins), unequal sizes, requests without a tree. And accept_trees with every
+    other request sampled (top-k 3) gives the greedy ones the same, and each sampled one a path down
+    its tree whose tokens are its nodes' and whose bonus token has probability > 0 at the path's end,
+    the same as accept() with an equally seeded generator (the batch's values read back in one copy,
+    the probabilities as their bits)."""
+    from moespec.spec.sampling import accept_greedy_trees, accept_trees, probabilities
 
     g = torch.Generator().manual_seed(seed)
     V = 4  # few tokens: matches and duplicate siblings are common
@@ -151,3 +166,18 @@ def test_batched_greedy_acceptance_equals_the_walk(sizes, seed, on_host):
         assert (g_ is None) == (w is None)
         if w is not None:
             assert (g_.path, g_.tokens) == (w.path, w.tokens)
+    hot = SamplingParams(temperature=1.5, top_k=3)
+    params = [hot if b % 2 else SamplingParams() for b in range(len(sizes))]
+    mixed = accept_trees(trees, logits, params, [torch.Generator().manual_seed(seed + b) for b in range(len(sizes))],
+                         on_host=on_host)
+    for b, (m, w, t) in enumerate(zip(mixed, want, trees)):
+        if t is None or not b % 2:
+            assert (m is None and w is None) or (m.path, m.tokens) == (w.path, w.tokens)
+            continue
+        tokens, parents = t.tokens.tolist(), t.parents.tolist()
+        n = len(tokens)
+        assert m.path[0] == 0 and all(parents[c] == a for a, c in zip(m.path, m.path[1:]))
+        assert m.tokens[:-1] == [tokens[c] for c in m.path[1:]]
+        assert probabilities(logits[b, m.path[-1]], hot)[m.tokens[-1]] > 0
+        single = accept(tokens, parents, logits[b, :n], hot, torch.Generator().manual_seed(seed + b))
+        assert (m.path, m.tokens) == (single.path, single.tokens)

@@ -9,7 +9,7 @@ is not in the cache yet):
 2. select:  each request keeps its ``total_tokens`` best nodes (ancestor-closed);
 3. verify:  one target pass over all trees (ancestor masks, positions = length + depth), with the
             MoE-Spec expert budget per layer over the whole batch for "eagle3+budget";
-4. accept:  greedy longest match plus bonus, or speculative sampling (:func:`moespec.spec.sampling.accept`);
+4. accept:  greedy longest match plus bonus, or speculative sampling (:func:`moespec.spec.sampling.accept_trees`);
 5. commit:  the target keeps the accepted path's KV; the draft catches up over the accepted path
             (target tap features of the path paired with the next tokens) and keeps those entries;
 6. emit:    the accepted draft tokens and the bonus token.
@@ -38,8 +38,8 @@ from moespec.models import TargetModel
 from moespec.spec.draft_graph import StaticCatchUp, StaticDraftRound, causal_words
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
 from moespec.spec.policies import Run, _cache_len, host_single_threaded
-from moespec.spec.sampling import accept, accept_greedy_trees, sample
-from moespec.spec.tree import TreeBuilder, host_lists
+from moespec.spec.sampling import accept_trees, sample
+from moespec.spec.tree import TreeBuilder
 
 
 class Eagle3Policy:
@@ -181,19 +181,14 @@ class Eagle3Policy:
         verify_s = time.perf_counter() - verify_start
         run.last_expert_stats = out.expert_stats
         run.last_predicted_unique = None if self.selector is None else self.selector.predicted_unique
-        # greedy requests accept where the logits are, all at once (one copy back per step); sampled ones
-        # draw with their own generators on the host
-        greedy = [a and r.params.greedy for r, a in zip(batch, active)]
-        accepted, problems = accept_greedy_trees([t if gr else None for t, gr in zip(trees, greedy)], out.logits,
-                                                 also=[flags] if flags is not None else [])
+        # every request accepts where the logits are, all at once (one copy back per step; sampled ones
+        # with uniforms from their own generators)
+        accepted, problems = accept_trees([t if a else None for t, a in zip(trees, active)], out.logits,
+                                          [r.params for r in batch], [r.generator for r in batch],
+                                          also=[flags] if flags is not None else [])
         if flags is not None and not all(problems):
             run.cache.pending = None  # (the verified trees are dropped: nothing of them is committed)
             self._builder(len(batch)).raise_recorded(problems)
-        sampled = [b for b in range(len(batch)) if active[b] and not greedy[b]]
-        lists = host_lists([trees[b] if b in sampled else None for b in range(len(batch))])[0] if sampled else []
-        for b in sampled:
-            r, n = batch[b], trees[b].num_nodes
-            accepted[b] = accept(*lists[b], out.logits[b, :n], r.params, r.generator)
         self.target.commit(run.cache, [a.path if a else [] for a in accepted])
         self._catch_up(run, [a.tokens if a else [] for a in accepted], self._path_features(out.hidden, accepted),
                        static=True)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 import torch
 
+from moespec._tensor import to_device
+
 if TYPE_CHECKING:
     from moespec.spec.tree import DraftTree
 
@@ -113,30 +115,60 @@ def children_of(parents: Sequence[int]) -> list[list[int]]:
 def accept(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, params: SamplingParams,
            generator: Optional[torch.Generator] = None) -> Acceptance:
     """Accepts a path of one verified tree: ``tokens``/``parents`` [M + 1], target ``logits`` [M + 1, V]
-    (row i: the target's next-token logits after node i). (A batch of greedy trees:
-    :func:`accept_greedy_trees`, one copy back from the device.)"""
+    (row i: the target's next-token logits after node i). (A batch of trees: :func:`accept_trees`,
+    one copy back from the device.)"""
     if params.greedy:
         return _greedy_walk(tokens, parents, greedy_choice(logits).tolist())
+    n = len(tokens)
+    u = torch.rand(2 * n, generator=generator)  # the children's tests, then the bonus draws
+    q, bonus = _sampling_rows(torch.as_tensor(tokens), torch.as_tensor(parents), logits, params, u[n:])
+    return _sampled_walk(tokens, parents, q.tolist(), bonus.tolist(), u[:n].tolist())
+
+
+def _sampling_rows(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, params: SamplingParams,
+                   u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device half of speculative sampling over one tree of n nodes (tokens and parents [n] on
+    any device, logits [n, V], u [n] uniforms in [0, 1) on the host): q float32 [n - 1], node c's
+    token's probability under its parent's processed distribution (node c + 1's, that is), and bonus
+    long [n], a token drawn at each node from its residual, the node's distribution without its
+    children's tokens (where a walk that rejected every child stops; the whole distribution where
+    the children hold all of it), by inverse CDF with u. No host synchronisation."""
+    dev = logits.device
+    probs = probabilities(logits, params)  # [n, V]
+    child = to_device(tokens, dev, torch.long)[1:], to_device(parents, dev, torch.long)[1:]
+    q = probs[child[1], child[0]]  # [n - 1]
+    resid = probs.index_put((child[1], child[0]), probs.new_zeros(()))  # the children's tokens dropped
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, probs)
+    cdf = resid.cumsum(-1)  # [n, V]
+    at = to_device(u, dev, torch.float32)[:, None] * cdf[:, -1:]
+    bonus = torch.searchsorted(cdf, at, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]  # (right: never a 0 token)
+    return q, bonus
+
+
+def _sampled_walk(tokens: Sequence[int], parents: Sequence[int], q: Sequence[float], bonus: Sequence[int],
+                  u: Sequence[float]) -> Acceptance:
+    """Speculative sampling's walk (deterministic proposals, EAGLE's multi-round rule) from
+    :func:`_sampling_rows`' values: at each node its children in tree order, child c accepted when
+    u[c] < p(x) / (1 - p(rejected)), p the node's distribution, a rejected token's probability
+    dropping out of it (its duplicates too); where none is accepted, the node's bonus token."""
     kids = children_of(parents)
     path, out = [0], []
     node = 0
-    logits = logits.cpu()  # the draws use the request's CPU generator (a no-op for CPU logits)
     while True:
-        p = probabilities(logits[node], params)  # [V]
-        taken = None
-        for child in kids[node]:  # tree order
-            x = tokens[child]
-            if float(torch.rand((), generator=generator)) < float(p[x]):
-                taken = child
+        taken, rejected, mass = None, set(), 0.0
+        for c in kids[node]:
+            x = tokens[c]
+            p = 0.0 if x in rejected else q[c - 1]
+            if mass >= 1.0:  # (only through rounding: the rejected tokens held all of p)
                 break
-            p[x] = 0.0  # rejected: the residual distribution drops x
-            total = float(p.sum())
-            if total <= 0.0:  # only reachable through rounding: fall back to the node's distribution
-                p = probabilities(logits[node], params)
+            if u[c] < p / (1.0 - mass):
+                taken = c
                 break
-            p = p / total
+            if x not in rejected:
+                rejected.add(x)
+                mass += p
         if taken is None:
-            out.append(int(torch.multinomial(p, 1, generator=generator)))
+            out.append(bonus[node])
             return Acceptance(path, out)
         path.append(taken)
         out.append(tokens[taken])
@@ -161,27 +193,56 @@ def _greedy_walk(tokens: Sequence[int], parents: Sequence[int], choice: Sequence
 
 def accept_greedy_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Tensor, on_host: Optional[bool] = None,
                         also: Optional[Sequence[torch.Tensor]] = None):
-    """Greedy acceptance of a batch of verified trees: ``trees[b]`` request b's tree (None: not
-    verified), ``logits`` [B, T, V] the verify pass's (row i of request b: after node i). The same
-    paths and tokens as :func:`accept` with greedy params gives for each tree: at each depth the
-    lowest-index child of the path's last node whose token is the target's argmax there. Returns an
-    Acceptance (or None) per tree; with ``also`` (integer or bool tensors on the logits' device, such as a
-    deferred draft round's problem flags), that list and their values, read back in the same copy.
+    """:func:`accept_trees` with every request greedy."""
+    return accept_trees(trees, logits, [_GREEDY] * len(trees), [None] * len(trees), on_host, also)
 
-    One argmax where the logits are and one copy back (:func:`moespec.spec.tree.host_lists`: the
-    choices [B, T], the tokens and parents of the trees not read back yet, and ``also``), then each
-    tree is walked on the host (a few dozen Python steps). Until 2026-12-05 a GPU walked the trees
-    in ~40 small tensor ops, 1.1 ms of an H200's eagle3 step (tests/gpu/bench_runtime_cuda.py
-    "accept"); on a CPU the host walk was already ~3x faster than that tensor walk. ``on_host``
-    (default: for CPU logits): the argmax through numpy (:func:`greedy_choice`); False: the argmax
-    where the logits are, as on a GPU."""
+
+_GREEDY = SamplingParams()
+
+
+def accept_trees(trees: Sequence[Optional["DraftTree"]], logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[Optional[torch.Generator]], on_host: Optional[bool] = None,
+                 also: Optional[Sequence[torch.Tensor]] = None):
+    """Acceptance of a batch of verified trees: ``trees[b]`` request b's tree (None: not verified),
+    ``logits`` [B, T, V] the verify pass's (row i of request b: after node i), ``params[b]`` and
+    ``generators[b]`` its sampling. Greedy requests: at each depth the lowest-index child of the
+    path's last node whose token is the target's argmax there; sampled ones: speculative sampling
+    (the module docstring's rule; each request's uniforms drawn from its generator on the host).
+    Returns an Acceptance (or None) per tree; with ``also`` (integer or bool tensors on the logits'
+    device, such as a deferred draft round's problem flags), that list and their values, read back in
+    the same copy.
+
+    The device work where the logits are, then one copy back (:func:`moespec.spec.tree.host_lists`:
+    the argmax choices [B, T], each sampled tree's token probabilities and bonus draws
+    (:func:`_sampling_rows`), the tokens and parents of the trees not read back yet, and ``also``),
+    then each tree walked on the host (a few dozen Python steps). Until 2026-12-05 a GPU walked the
+    greedy trees in ~40 small tensor ops, 1.1 ms of an H200's eagle3 step
+    (tests/gpu/bench_runtime_cuda.py "accept"), and until 2026-12-06 each sampled request copied its
+    logits [n, V] back to walk them on the host. ``on_host`` (default: for CPU logits): the argmax
+    through numpy (:func:`greedy_choice`); False: the argmax where the logits are, as on a GPU."""
     from moespec.spec.tree import host_lists
 
     B, T = len(trees), logits.shape[1]
-    choice = []  # [B, T] the target's argmax after each node (none without a tree)
-    if any(t is not None for t in trees):
+    live = [b for b, t in enumerate(trees) if t is not None]
+    sampled = [b for b in live if not params[b].greedy]
+    parts, uniforms = [], {}
+    if len(sampled) < len(live):  # [B, T] the target's argmax after each node
         host_side = logits.device.type == "cpu" if on_host is None else on_host
-        choice = [greedy_choice(logits) if host_side else logits.max(dim=-1).indices]
-    lists, flat = host_lists(trees, choice + list(also or ()))  # the one copy back
-    out = [None if t is None else _greedy_walk(*lists[b], flat[b * T: (b + 1) * T]) for b, t in enumerate(trees)]
-    return out if also is None else (out, flat[B * T if choice else 0:])
+        parts.append(greedy_choice(logits) if host_side else logits.max(dim=-1).indices)
+    for b in sampled:
+        t, n = trees[b], trees[b].num_nodes
+        uniforms[b] = torch.rand(2 * n, generator=generators[b])  # the children's tests, then the bonus draws
+        q, bonus = _sampling_rows(t.tokens, t.parents, logits[b, :n], params[b], uniforms[b][n:])
+        parts += [q.view(torch.int32), bonus]  # (the floats' bits: one integer copy back)
+    lists, flat = host_lists(trees, parts + list(also or ()))  # the one copy back
+    at = B * T if len(sampled) < len(live) else 0
+    out: list[Optional[Acceptance]] = [None] * B
+    for b in live:
+        if params[b].greedy:
+            out[b] = _greedy_walk(*lists[b], flat[b * T: (b + 1) * T])
+            continue
+        n = trees[b].num_nodes
+        q = np.asarray(flat[at: at + n - 1], dtype=np.int64).astype(np.int32).view(np.float32).tolist()
+        out[b] = _sampled_walk(*lists[b], q, flat[at + n - 1: at + 2 * n - 1], uniforms[b][:n].tolist())
+        at += 2 * n - 1
+    return out if also is None else (out, flat[at:])
