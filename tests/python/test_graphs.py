@@ -240,8 +240,6 @@ def test_an_eagle3_step_reads_the_device_back_once(folder, sampled, monkeypatch)
     step read back three times (the round's shapes at the finalize, the trees' tokens for the
     verify's checks, then the acceptance), and a sampled request twice more (its tree, its logits):
     on a GPU each a synchronisation (tests/gpu/test_runtime_cuda.py counts them there)."""
-    import traceback
-
     from moespec.spec import eagle3_policy
     from moespec.spec.eagle3_policy import Eagle3Policy
     from moespec.spec.llm import _Request
@@ -262,6 +260,18 @@ def test_an_eagle3_step_reads_the_device_back_once(folder, sampled, monkeypatch)
             r.output.extend(emitted)
 
     step()  # (the capture)
+    steps = 4
+    reads = _host_reads(monkeypatch, step, steps)
+    assert sum(reads.values()) == steps, dict(reads)
+    assert policy._static.graph.replays == steps
+
+
+def _host_reads(monkeypatch, step, steps: int) -> collections.Counter:
+    """Runs ``step()`` ``steps`` times counting every host read of a tensor's values (HOST_READS), but
+    those in the CPU bodies of moespec's decoder kernels and of the uniforms drawn on the host
+    (torch.rand: a request's generator); {"name at file:line": count}."""
+    import traceback
+
     reads, draws = collections.Counter(), set()  # draws: the host uniforms' storage
 
     def counted(name, fn):
@@ -279,15 +289,40 @@ def test_an_eagle3_step_reads_the_device_back_once(folder, sampled, monkeypatch)
         return t
 
     torch_rand = torch.rand
-    steps = 4
     with monkeypatch.context() as patch:
         patch.setattr(torch, "rand", rand)
         for name in HOST_READS:
             patch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
         for _ in range(steps):
             step()
-    assert sum(reads.values()) == steps, dict(reads)
-    assert policy._static.graph.replays == steps
+    return reads
+
+
+def test_a_greedy_ar_step_reads_the_device_back_once(folder, monkeypatch):
+    """Plain decoding of a batch on the graphs backend, with the argmax as a GPU takes it: one host
+    read a step (the batch's tokens in one copy), not one a request (2026-12-06)."""
+    from moespec.spec import policies
+    from moespec.spec.llm import _Request
+
+    target = load(folder, "fp32")
+    target.backend_name = "graphs"
+    monkeypatch.setattr(policies, "greedy_choice", lambda logits: logits.max(dim=-1).indices)
+    policy = policies.ARPolicy(target)
+    requests = [_Request(i, None, list(p), SamplingParams(max_tokens=20, ignore_eos=True), set())
+                for i, p in enumerate(PROMPTS)]
+    run = policy.start(requests)
+    for r, first in zip(requests, run.first_tokens):
+        r.output.append(first)
+
+    def step():
+        for r, emitted in zip(requests, policy.step(run, requests)):
+            r.output.extend(emitted)
+
+    reads = _host_reads(monkeypatch, step, 4)
+    assert sum(reads.values()) == 4, dict(reads)
+    want = [o.outputs[0].token_ids[:5] for o in LLM(load(folder, "fp32")).generate(
+        PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))]
+    assert [r.output for r in requests] == want
 
 
 def test_a_deferred_rounds_problem_is_raised_by_the_step_before_its_commit(folder, monkeypatch):

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from moespec.models import KVCache, TargetModel
-from moespec.spec.sampling import accept, sample
+from moespec.spec.sampling import accept, greedy_choice, sample
 
 
 @dataclass
@@ -78,7 +78,11 @@ class ARPolicy:
     def step(self, run: Run, batch) -> list[Optional[list[int]]]:
         out = self.target.decode(run.cache, [None if r.finished else r.last for r in batch])
         run.last_expert_stats = out.expert_stats  # what the decode step's MoE layers read
-        return [None if r.finished else [sample(out.logits[b], r.params, r.generator)] for b, r in enumerate(batch)]
+        # the greedy requests' tokens in one argmax and one copy back (on a GPU, one synchronisation a
+        # step, not one a request); sampled ones draw with their generators as sample() does
+        greedy = greedy_choice(out.logits).tolist() if any(r.params.greedy for r in batch) else []
+        return [None if r.finished else [greedy[b] if r.params.greedy else sample(out.logits[b], r.params, r.generator)]
+                for b, r in enumerate(batch)]
 
 
 def make_policy(target: TargetModel, draft, config, model_path: Optional[Path] = None, predictor=None):
