@@ -176,15 +176,16 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, d
     sampled) synchronises with the host once a step: the acceptance's copy back (the argmax choices,
     the sampled tree's token probabilities and bonus draws, the trees' tokens and parents, the draft
     round's problem flags; three copies a step until 2026-12-06: the finalize's tree shapes and the
-    verify's tree tokens besides, and two more for a sampled request). Host values go to the device through pinned
-    memory (moespec._tensor.to_device) and the head writes its cache without nonzero: torch's sync
-    debug mode counts every other synchronisation (tests/python/test_graphs.py counts the host reads
-    of the same paths on the CPU)."""
+    verify's tree tokens besides, and two more for a sampled request). Host values go to the device
+    through pinned memory (moespec._tensor.to_device) and the head writes its cache without nonzero:
+    torch's sync debug mode counts every other synchronisation (tests/python/test_graphs.py counts
+    the host reads of the same paths on the CPU)."""
     import warnings
+
+    from test_graphs import started
 
     from moespec import SpeculativeConfig
     from moespec.spec.eagle3_policy import Eagle3Policy
-    from moespec.spec.llm import _Request
     from moespec.spec.train import new_head
 
     monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", draft_graphs)  # (1: the draft round replayed as a graph)
@@ -193,15 +194,8 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, d
     head = new_head(target.config, target.weights.embed, None, seed=0).to("cuda")
     policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=3, top_k=3, total_tokens=6))
     hot = dict(temperature=0.8, top_p=0.9, seed=3) if sampled else {}
-    requests = [_Request(i, None, list(p), SamplingParams(max_tokens=64, ignore_eos=True, **(hot if i else {})), set())
-                for i, p in enumerate(PROMPTS)]
-    run = policy.start(requests)
-    for r, first in zip(requests, run.first_tokens):
-        r.output.append(first)
-
-    def step():
-        for r, emitted in zip(requests, policy.step(run, requests)):
-            r.output.extend(emitted)
+    _, _, step = started(policy, [SamplingParams(max_tokens=64, ignore_eos=True, **(hot if i else {}))
+                                  for i in range(len(PROMPTS))], PROMPTS)
 
     for _ in range(2):  # graph capture and first allocations
         step()

@@ -242,7 +242,6 @@ def test_an_eagle3_step_reads_the_device_back_once(folder, sampled, monkeypatch)
     on a GPU each a synchronisation (tests/gpu/test_runtime_cuda.py counts them there)."""
     from moespec.spec import eagle3_policy
     from moespec.spec.eagle3_policy import Eagle3Policy
-    from moespec.spec.llm import _Request
 
     target, head = _gpu_like_paths(folder, monkeypatch)
     monkeypatch.setattr(eagle3_policy, "accept_trees",
@@ -250,7 +249,20 @@ def test_an_eagle3_step_reads_the_device_back_once(folder, sampled, monkeypatch)
     params = [SamplingParams(max_tokens=40, ignore_eos=True),
               SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8 if sampled else 0.0, top_p=0.9, seed=3)]
     policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=4, top_k=4, total_tokens=8))
-    requests = [_Request(i, None, list(p), q, set()) for i, (p, q) in enumerate(zip(PROMPTS, params))]
+    _, _, step = started(policy, params)
+    step()  # (the capture)
+    steps = 4
+    reads = _host_reads(monkeypatch, step, steps)
+    assert sum(reads.values()) == steps, dict(reads)
+    assert policy._static.graph.replays == steps
+
+
+def started(policy, params, prompts=PROMPTS) -> tuple:
+    """Requests of ``prompts`` (``params[i]`` each) started on ``policy``; returns (run, requests, step),
+    step() running one step and appending what it emitted."""
+    from moespec.spec.llm import _Request
+
+    requests = [_Request(i, None, list(p), q, set()) for i, (p, q) in enumerate(zip(prompts, params))]
     run = policy.start(requests)
     for r, first in zip(requests, run.first_tokens):
         r.output.append(first)
@@ -259,11 +271,7 @@ def test_an_eagle3_step_reads_the_device_back_once(folder, sampled, monkeypatch)
         for r, emitted in zip(requests, policy.step(run, requests)):
             r.output.extend(emitted)
 
-    step()  # (the capture)
-    steps = 4
-    reads = _host_reads(monkeypatch, step, steps)
-    assert sum(reads.values()) == steps, dict(reads)
-    assert policy._static.graph.replays == steps
+    return run, requests, step
 
 
 def _host_reads(monkeypatch, step, steps: int) -> collections.Counter:
@@ -302,22 +310,11 @@ def test_a_greedy_ar_step_reads_the_device_back_once(folder, monkeypatch):
     """Plain decoding of a batch on the graphs backend, with the argmax as a GPU takes it: one host
     read a step (the batch's tokens in one copy), not one a request (2026-12-06)."""
     from moespec.spec import policies
-    from moespec.spec.llm import _Request
 
     target = load(folder, "fp32")
     target.backend_name = "graphs"
     monkeypatch.setattr(policies, "greedy_choice", lambda logits: logits.max(dim=-1).indices)
-    policy = policies.ARPolicy(target)
-    requests = [_Request(i, None, list(p), SamplingParams(max_tokens=20, ignore_eos=True), set())
-                for i, p in enumerate(PROMPTS)]
-    run = policy.start(requests)
-    for r, first in zip(requests, run.first_tokens):
-        r.output.append(first)
-
-    def step():
-        for r, emitted in zip(requests, policy.step(run, requests)):
-            r.output.extend(emitted)
-
+    _, requests, step = started(policies.ARPolicy(target), [SamplingParams(max_tokens=20, ignore_eos=True)] * 2)
     reads = _host_reads(monkeypatch, step, 4)
     assert sum(reads.values()) == 4, dict(reads)
     want = [o.outputs[0].token_ids[:5] for o in LLM(load(folder, "fp32")).generate(
@@ -331,22 +328,18 @@ def test_a_deferred_rounds_problem_is_raised_by_the_step_before_its_commit(folde
     by that step, naming the argument, before anything of the verified trees is committed."""
     from moespec.spec import eagle3_policy
     from moespec.spec.eagle3_policy import Eagle3Policy
-    from moespec.spec.llm import _Request
 
     target, head = _gpu_like_paths(folder, monkeypatch)
     monkeypatch.setattr(eagle3_policy, "accept_trees",
                         functools.partial(eagle3_policy.accept_trees, on_host=False))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=3, top_k=2, total_tokens=4))
-    requests = [_Request(i, None, list(p), params, set()) for i, p in enumerate(PROMPTS)]
-    run = policy.start(requests)
-    for r, first in zip(requests, run.first_tokens):
-        r.output.append(first)
-    policy.step(run, requests)
+    run, _, step = started(policy, [params] * 2)
+    step()
     lengths = list(run.cache.lengths)
     run.extra["draft_logits"] = torch.full_like(run.extra["draft_logits"], float("nan"))
     with pytest.raises(ValueError, match=r"^logprobs: expected log-probabilities .*\(checked at finalize"):
-        policy.step(run, requests)
+        step()
     assert run.cache.lengths == lengths and run.cache.pending is None
 
 
