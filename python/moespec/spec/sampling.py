@@ -135,13 +135,14 @@ def _sampling_rows(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Te
     the children hold all of it), by inverse CDF with u. No host synchronisation."""
     dev = logits.device
     probs = probabilities(logits, params)  # [n, V]
-    child = to_device(tokens, dev, torch.long)[1:], to_device(parents, dev, torch.long)[1:]
+    V = probs.shape[-1]  # (ids clamped: a deferred round's are checked after this runs, never out of range here)
+    child = to_device(tokens, dev, torch.long)[1:].clamp(0, V - 1), to_device(parents, dev, torch.long)[1:]
     q = probs[child[1], child[0]]  # [n - 1]
     resid = probs.index_put((child[1], child[0]), probs.new_zeros(()))  # the children's tokens dropped
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, probs)
     cdf = resid.cumsum(-1)  # [n, V]
     at = to_device(u, dev, torch.float32)[:, None] * cdf[:, -1:]
-    bonus = torch.searchsorted(cdf, at, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]  # (right: never a 0 token)
+    bonus = torch.searchsorted(cdf, at, right=True).clamp_(max=V - 1)[:, 0]  # (right: never a 0 token)
     return q, bonus
 
 
