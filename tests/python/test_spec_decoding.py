@@ -298,8 +298,10 @@ def test_static_draft_rounds_draft_the_dynamic_rounds_trees(models, ar_outputs, 
     model, params = models["qwen3_moe"], SamplingParams(max_tokens=24, ignore_eos=True)
     config = SpeculativeConfig("eagle3", depth=4, top_k=3, total_tokens=10)
 
-    def steps():
-        outs = LLM(model, draft=str(trained_head), speculative_config=config, max_batch_size=3).generate(prompts, params)
+    def steps(native: bool = True):
+        llm = LLM(model, draft=str(trained_head), speculative_config=config, max_batch_size=3)
+        llm.policy.head.native_step = native
+        outs = llm.generate(prompts, params)
         return [o.outputs[0].token_ids for o in outs], [o.stats.acceptance_lengths for o in outs]
 
     tokens, lengths = steps()
@@ -307,6 +309,9 @@ def test_static_draft_rounds_draft_the_dynamic_rounds_trees(models, ar_outputs, 
     got_tokens, got_lengths = steps()
     assert got_tokens == tokens == want["qwen3_moe"]
     assert got_lengths == lengths and max(n for per in lengths for n in per) >= 3
+    # the head's torch ops, as on a GPU: the step's catch-up through StaticCatchUp too (its accepted
+    # paths' features gathered into its static buffers)
+    assert steps(native=False) == (tokens, lengths)
 
 
 def test_head_agreement_is_the_drafts_inference_agreement(models, ar_outputs, trained_head):

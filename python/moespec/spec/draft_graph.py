@@ -99,6 +99,26 @@ def causal_words(B: int, T: int) -> np.ndarray:
     return np.tile(np.pad(causal, ((0, 0), (0, -causal.shape[1] % 4))).view(np.int32), (B, 1))
 
 
+class PathFeatures:
+    """The target tap features [B, T, Ht] of each request's accepted path, not gathered yet: ``taps``
+    the verify pass's [B, n, Ht], ``index`` long [B, T] the paths' nodes (padding repeats node 0).
+    A :class:`StaticCatchUp` gathers them straight into its static buffers (one launch a tap);
+    :meth:`gathered` makes them."""
+
+    def __init__(self, taps: tuple[torch.Tensor, ...], index: torch.Tensor):
+        self.taps, self.index = taps, index
+
+    def _index(self, h: torch.Tensor) -> torch.Tensor:
+        return self.index[:, :, None].expand(-1, -1, h.shape[-1])
+
+    def gathered(self) -> tuple[torch.Tensor, ...]:
+        return tuple(h.gather(1, self._index(h)) for h in self.taps)
+
+    def into(self, out: tuple[torch.Tensor, ...]) -> None:
+        for h, o in zip(self.taps, out):
+            torch.gather(h, 1, self._index(h), out=o)
+
+
 class StaticCatchUp:
     """One (draft cache, B requests, T entries) bucket of the step's catch-up on static buffers (see
     the module docstring): the first call runs eagerly (its result) and, on CUDA, is then captured;
@@ -106,9 +126,9 @@ class StaticCatchUp:
 
     capture_on = ("cuda",)  # device types whose calls are captured (the CPU tests add "cpu" with a fake graph)
 
-    def __init__(self, policy: "Eagle3Policy", dc: "DraftCache", batch: int, tokens: int,
-                 features: tuple[torch.Tensor, ...]):
+    def __init__(self, policy: "Eagle3Policy", dc: "DraftCache", batch: int, tokens: int, features):
         self.policy, self.dc = policy, dc
+        features = features.taps if isinstance(features, PathFeatures) else features  # (their widths and dtypes)
         B, T, dev = batch, tokens, features[0].device
         self.packed = torch.zeros(2 * B * T + B, dtype=torch.long, device=dev)  # tokens, relative slots, starts
         self.features = tuple(torch.zeros(B, T, f.shape[-1], dtype=f.dtype, device=dev) for f in features)
@@ -117,17 +137,20 @@ class StaticCatchUp:
         self.graph = None
         self.out: tuple[torch.Tensor, torch.Tensor] = ()
 
-    def run(self, tokens: list[list[int]], features: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, tokens: list[list[int]], features) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's logits [B, Vd] and hidden state [B, H] after each request's last new entry
         (tokens[b]: its n_b <= T entries, at least one request with T; features: the 3 target taps
-        [B, T, Ht] aligned with them). Appends the entries' K/V at the cache's lengths (the caller
-        advances them)."""
+        [B, T, Ht] aligned with them, or a :class:`PathFeatures` gathered into the static buffers).
+        Appends the entries' K/V at the cache's lengths (the caller advances them)."""
         B, T = self.features[0].shape[:2]
         host = [t + [0] * (T - len(t)) for t in tokens] + [list(range(len(t))) + [-1] * (T - len(t)) for t in tokens]
         self.packed.copy_(to_device([v for row in host for v in row] + list(self.dc.lengths), self.packed.device,
                                     torch.long))
-        for static, f in zip(self.features, features):
-            static.copy_(f)
+        if isinstance(features, PathFeatures):
+            features.into(self.features)
+        else:
+            for static, f in zip(self.features, features):
+                static.copy_(f)
         if self.graph is not None:
             self.graph.replay()
             out = self.out

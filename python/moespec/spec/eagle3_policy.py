@@ -35,7 +35,7 @@ import torch
 from moespec._loader import native
 from moespec._tensor import to_device
 from moespec.models import TargetModel
-from moespec.spec.draft_graph import StaticCatchUp, StaticDraftRound, causal_words
+from moespec.spec.draft_graph import PathFeatures, StaticCatchUp, StaticDraftRound, causal_words
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
 from moespec.spec.policies import Run, _cache_len, host_single_threaded
 from moespec.spec.sampling import accept_trees, sample
@@ -123,7 +123,7 @@ class Eagle3Policy:
 
     def _catch_up(self, run: Run, next_tokens: list[list[int]], features, static: bool = False) -> None:
         """Appends entries to the draft cache (tokens [B][n_b], features: the 3 target taps [B, T, Ht]
-        aligned with them) and keeps the head's output at each request's last new entry. ``static``
+        aligned with them, or a PathFeatures) and keeps the head's output at each request's last new entry. ``static``
         (a step's catch-up, with draft graphs, on the device): through a :class:`StaticCatchUp` bucket
         (a CUDA graph on a GPU)."""
         dc = run.extra["draft_cache"]
@@ -139,6 +139,7 @@ class Eagle3Policy:
                 bucket = self._catch_ups[(B, T)] = StaticCatchUp(self, dc, B, T, features)
             logits, hidden = bucket.run(next_tokens, features)
         else:
+            features = features.gathered() if isinstance(features, PathFeatures) else features
             tokens = to_device([t + [0] * (T - len(t)) for t in next_tokens], dev)  # [B, T]
             if T > 0 and (min(num) == T or not native):  # the native step's terms: mask words, entry j sees new 0..j
                 causal = causal_words(B, T)
@@ -199,14 +200,15 @@ class Eagle3Policy:
         return [a.tokens if a else None for a in accepted]
 
     @staticmethod
-    def _path_features(taps, accepted) -> tuple[torch.Tensor, ...]:
-        """The target tap features [B, T, Ht] of each request's accepted path: one gather per tap, its
-        index copied to the device once (no synchronisation). Padding repeats node 0's row: padding
-        entries write no cache slot and their outputs are not read."""
+    def _path_features(taps, accepted) -> PathFeatures:
+        """The target tap features [B, T, Ht] of each request's accepted path, to gather (one gather
+        per tap, into a static catch-up's buffers where one takes them), the index copied to the
+        device once (no synchronisation). Padding repeats node 0's row: padding entries write no cache
+        slot and their outputs are not read."""
         T = max(len(a.path) if a else 0 for a in accepted)
         index = to_device([(a.path if a else []) + [0] * (T - (len(a.path) if a else 0)) for a in accepted],
                           taps[0].device, torch.long)  # [B, T]
-        return tuple(h.gather(1, index[:, :, None].expand(-1, -1, h.shape[-1])) for h in taps)
+        return PathFeatures(taps, index)
 
     def _draft(self, run: Run, roots: list[int], active: Optional[list[bool]] = None, deferred: bool = False):
         """Builds every request's draft tree (steps 1-2); returns one DraftTree per request (those of
