@@ -41,7 +41,7 @@ from moespec.ops import ExpertBudget, RoutingStats
 from moespec.ops.linear import linear
 from moespec.ops.routing import _FAMILY_CODES, budget_codes, softmax_vector_width
 from moespec.runtime.attention import attention, rms_norm, rotate  # noqa: F401 (re-exported)
-from moespec.runtime.state import RopeTable, StepGeometry, step_geometry
+from moespec.runtime.state import RopeTable, StepGeometry, new_tokens, step_geometry
 
 if TYPE_CHECKING:
     from moespec.models.runtime import TargetModel
@@ -251,7 +251,7 @@ class NativeBackend:
 
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
                 budget: Optional[ExpertBudget], last_only: bool, geo: Optional[StepGeometry] = None) -> ForwardOutput:
-        num = geo.num if geo is not None else [len(s) for s in seqs]
+        num = new_tokens(seqs, geo)
         P = sum(num)
         if P > NATIVE_MAX_TOKENS:
             return self.reference.forward(cache, seqs, parents, budget, last_only)

@@ -39,7 +39,7 @@ from moespec.ops import ExpertBudget
 from moespec.ops.decoder import attention_groups, visible_slots
 from moespec.runtime.fused import FusedForward, PackedStep, eager_forward, fits_eager
 from moespec.runtime.fused import supports as fused_supports
-from moespec.runtime.state import StepGeometry, step_geometry
+from moespec.runtime.state import StepGeometry, new_tokens, step_geometry
 
 if TYPE_CHECKING:
     from moespec.models.runtime import TargetModel
@@ -176,7 +176,7 @@ class GraphBackend:
               budget: Optional[ExpertBudget], last_only: bool, geo=None) -> "ForwardOutput":
         """A call no bucket takes: the fused forward on its packed tokens where it fits (unequal
         trees, prompts of up to kMaxTreeTokens tokens), else the reference forward."""
-        if self.fused is not None and fits_eager(self.model, geo.num if geo is not None else [len(s) for s in seqs]):
+        if self.fused is not None and fits_eager(self.model, new_tokens(seqs, geo)):
             return eager_forward(self.fused, cache, seqs, parents, budget, last_only, geo)
         return self.reference.forward(cache, seqs, parents, budget, last_only)
 
@@ -192,7 +192,7 @@ class GraphBackend:
                 budget: Optional[ExpertBudget], last_only: bool, geo=None) -> "ForwardOutput":
         from moespec.runtime.backend import ForwardOutput
 
-        num = geo.num if geo is not None else [len(s) for s in seqs]  # (a verify's trees: no host lists)
+        num = new_tokens(seqs, geo)
         T = num[0]
         if (self.model.observer is not None or any(n != T for n in num) or not 1 <= T <= self.max_tokens
                 or (parents is None and T > 1)):  # (prefill runs eagerly: decode and tree verify are the steps)

@@ -73,6 +73,12 @@ def step_geometry(seqs: Sequence[Sequence[int]], starts: Sequence[int],
                         torch.tensor(mask, dtype=torch.int32).view(len(tokens), W))
 
 
+def new_tokens(seqs: Sequence[Sequence[int]], geo: Optional[StepGeometry]) -> list[int]:
+    """[B] new tokens of each request of a call: from its geometry where it has one (a verify of
+    device trees: ``seqs`` are then read back only where a backend needs their values)."""
+    return geo.num if geo is not None else [len(s) for s in seqs]
+
+
 def tree_geometry(trees: Sequence[Optional["DraftTree"]], starts: Sequence[int],
                   vocab: Optional[int] = None) -> StepGeometry:
     """The packed geometry of a verify call straight from the draft trees' own tensors (DESIGN.md
