@@ -73,11 +73,8 @@ def host_seconds(fn, calls: int = 20) -> float:
     return spent
 
 
-def kernel_table(m: TargetModel, cache, T: int, top: int = 12) -> list:
-    """Where a graphs-backend verify step of T tokens spends GPU time: torch's profiler over 3 replays,
-    kernels by total time (printed, and returned as [name, us per step, calls per step])."""
-    from torch.profiler import ProfilerActivity, profile
-
+def kernel_table(m: TargetModel, cache, T: int, top: int = 12) -> dict:
+    """Where a graphs-backend verify step of T tokens spends GPU time (:func:`profiled`)."""
     m.backend_name = "graphs"
     tokens, parents = torch.randint(0, V, (T,)).tolist(), [-1] + list(range(T - 1))
 
@@ -85,20 +82,28 @@ def kernel_table(m: TargetModel, cache, T: int, top: int = 12) -> list:
         m.verify(cache, [tokens], [parents])
         cache.pending = None
 
+    return profiled(step, f"verify T={T} (graphs)", top)
+
+
+def profiled(step, label: str, top: int = 12, calls: int = 3) -> dict:
+    """torch's profiler over ``calls`` calls of ``step`` (after one untimed call): the GPU time and
+    the kernels a call (printed), and the ``top`` kernels by time as [name, us a call, launches a call]."""
+    from torch.profiler import ProfilerActivity, profile
+
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    rows = sorted(((e.key, e.device_time_total / 3, e.count / 3) for e in prof.key_averages()),
-                  key=lambda r: -r[1])[:top]
-    total = sum(e.device_time_total for e in prof.key_averages()) / 3
-    launches = sum(e.count for e in prof.key_averages() if e.device_time_total > 0) / 3
-    print(f"verify T={T} (graphs): GPU time {total:.0f} us a step, {launches:.0f} kernels; top kernels:")
-    for name, us, calls in rows:
-        print(f"  {us:8.1f} us {calls:5.0f}x  {name[:110]}")
-    return [[n, us, c] for n, us, c in rows]
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows = sorted(((e.key, e.device_time_total / calls, e.count / calls) for e in events), key=lambda r: -r[1])
+    total = sum(e.device_time_total for e in events) / calls
+    launches = sum(e.count for e in events) / calls
+    print(f"{label}: GPU time {total:.0f} us a call, {launches:.0f} kernels; top kernels:")
+    for name, us, count in rows[:top]:
+        print(f"  {us:8.1f} us {count:5.0f}x  {name[:110]}")
+    return {"gpu_us": total, "kernels": launches, "top": [[n, us, c] for n, us, c in rows[:top]]}
 
 
 def draft_round_ms(batch: int, core: str, K: int = 8, depth: int = 6, total: int = 32, repeats: int = 20) -> float:
@@ -124,10 +129,11 @@ def draft_round_ms(batch: int, core: str, K: int = 8, depth: int = 6, total: int
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def eagle3_step_parts(m: TargetModel, steps: int = 12) -> dict:
+def eagle3_step_parts(m: TargetModel, label: str, steps: int = 12) -> tuple[dict, dict]:
     """A greedy eagle3 step (graphs backend, depth 4 / top-k 4 / 8 nodes, one request, an untrained head)
     on the model: its wall time as it runs, then with a synchronisation around each part (draft, verify,
-    acceptance, commit, catch-up), so that the parts' shares are visible; ms per step."""
+    acceptance, commit, catch-up), so that the parts' shares are visible; ms per step. Also the step's
+    kernels (:func:`profiled`: with draft graphs, the round's and the catch-up's inside their replays)."""
     from moespec import SamplingParams, SpeculativeConfig
     from moespec.spec import eagle3_policy
     from moespec.spec.eagle3_policy import Eagle3Policy
@@ -138,7 +144,7 @@ def eagle3_step_parts(m: TargetModel, steps: int = 12) -> dict:
     head = new_head(m.config, m.weights.embed, None, seed=0).to(CUDA)
     policy = Eagle3Policy(m, head, SpeculativeConfig("eagle3", depth=4, top_k=4, total_tokens=8))
     request = _Request(0, None, torch.randint(0, V, (CONTEXT,)).tolist(),
-                       SamplingParams(max_tokens=8 * (2 * steps + 4), ignore_eos=True), set())
+                       SamplingParams(max_tokens=8 * (2 * steps + 10), ignore_eos=True), set())
     run = policy.start([request])
     request.output.append(run.first_tokens[0])
 
@@ -153,6 +159,7 @@ def eagle3_step_parts(m: TargetModel, steps: int = 12) -> dict:
         step()
     torch.cuda.synchronize()
     parts = {"step (as it runs)": (time.perf_counter() - start) / steps * 1e3}
+    kernels = profiled(step, f"eagle3 step ({label})", top=16)
     spent: dict[str, float] = {}
 
     def timed(name, fn):
@@ -175,7 +182,7 @@ def eagle3_step_parts(m: TargetModel, steps: int = 12) -> dict:
     finally:
         policy._draft, policy._catch_up, m.verify_trees, m.commit, eagle3_policy.accept_trees = saved
     parts.update({k: v / steps * 1e3 for k, v in spent.items()})
-    return parts
+    return parts, kernels
 
 
 def main() -> int:
@@ -271,9 +278,10 @@ def main() -> int:
     print("draft round (top-k 8, depth 6, 32 nodes; wall clock, synchronised): "
           + ", ".join(f"{k} {v:.3f} ms" for k, v in rounds.items()))
     step_parts = results["eagle3_step_ms"] = {}
+    step_kernels = results["eagle3_step_kernels"] = {}
     for flag, label in (("0", "eager draft"), ("1", "draft graphs")):  # (MOESPEC_DRAFT_GRAPHS: read by the policy)
         os.environ["MOESPEC_DRAFT_GRAPHS"] = flag
-        step_parts[label] = eagle3_step_parts(m)
+        step_parts[label], step_kernels[label] = eagle3_step_parts(m, label)
         print(f"eagle3 step (depth 4, top-k 4, 8 nodes, graphs backend, {label}): "
               + ", ".join(f"{k} {v:.3f} ms" for k, v in step_parts[label].items()))
         save()

@@ -3,7 +3,8 @@
 # tests, the GPU tests (CUDA against the CPU reference, tests/gpu/test_*.py), the timing tables
 # of route_experts, moe_experts, linear and the runtime's steps (tests/gpu/bench_*_cuda.py), the GPU's
 # hardware profile for `moespec analyze` (tests/gpu/measure_profile.py -> tests/gpu/profiles/<name>.json;
-# commit it) and MLA's two forms (python -m moespec.bench.mla --device cuda -> mla.json).
+# commit it), MLA's two forms (python -m moespec.bench.mla --device cuda -> mla.json) and compute-sanitizer
+# over small cases of the newest kernels (tests/gpu/sanitize.py; first, when a GPU test failed).
 # DESIGN.md "What can run where".
 #
 #   tests/gpu/run.sh
@@ -47,12 +48,14 @@ cmake --build "$BUILD" -j "${JOBS:-$(nproc)}" 2>&1 | tee "$LOGS/build.log"
 results=()  # "name": "passed" | "failed" | "skipped", written to $LOGS/summary.json after every step
 DEADLINE=${DEADLINE:-540}  # seconds since the start: later steps are skipped (the device call stops at 600)
 ok=0  # whether the last step passed
+optional=0  # 1: a step skipped for time does not fail the run (the last, optional checks)
 step() {  # step <name> <log file> <seconds> <command...>: runs it (stopped after <seconds>: one hung
   # step must not eat the device call), logs it, records its result
   local name=$1 file=$2 limit=$3 started=$SECONDS
   shift 3
   if (( SECONDS + 10 > DEADLINE )); then
-    log "$name: skipped ($SECONDS s of the ${DEADLINE} s are gone)"; results+=("\"$name\": \"skipped\""); status=1; ok=0
+    log "$name: skipped ($SECONDS s of the ${DEADLINE} s are gone)"; results+=("\"$name\": \"skipped\""); ok=0
+    (( optional )) || status=1
   else
     (( limit > DEADLINE - SECONDS )) && limit=$((DEADLINE - SECONDS))
     log "$name -> $LOGS/$file (at most ${limit} s)"
@@ -77,9 +80,22 @@ timing() {  # timing <name> <log file> <seconds> <script> [<its JSON in $LOGS>]
 
 step "C++ tests (ctest)" ctest.log 120 bash -c "cd '$BUILD' && ctest --output-on-failure"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$LOGS/pytest.log" || true
+tests_failed=0
 for file in tests/gpu/test_*.py; do  # one process a file: a crash in one does not hide the others' results
   step "GPU tests ($file)" pytest.log 120 env PYTHONPATH=python "$PY" -m pytest -q -p no:cacheprovider --durations=5 "$file"
+  (( ok == 1 )) || tests_failed=1
 done
+# compute-sanitizer over small cases of the newest kernels (tests/gpu/sanitize.py): right away when a
+# GPU test failed (its report names the kernel and the line of a bad access), else last, if time is left
+sanitize() {  # sanitize <tool> <seconds>
+  local limit=$(( $2 < DEADLINE - SECONDS - 15 ? $2 : DEADLINE - SECONDS - 15 ))
+  step "compute-sanitizer $1" sanitizer.log $((limit + 10)) env PYTHONPATH=python "$PY" tests/gpu/sanitize.py "$1" --limit "$limit"
+}
+sanitized=0
+if (( tests_failed )); then
+  sanitize memcheck 90
+  sanitized=1
+fi
 timing "route_experts" bench.log 45 tests/gpu/bench_route_experts_cuda.py
 timing "moe_experts" bench_moe.log 110 tests/gpu/bench_moe_experts_cuda.py moe_experts_bench.json
 timing "linear" bench_linear.log 45 tests/gpu/bench_linear_cuda.py linear_bench.json
@@ -89,6 +105,12 @@ step "hardware profile" profile.log 45 "$PY" tests/gpu/measure_profile.py
 # as the least needed of the tables
 step "timing: MLA forms" bench_mla.log 40 env PYTHONPATH=python "$PY" -m moespec.bench.mla --device cuda \
   --contexts 1024 4096 16384 --tokens 1 16 --repeats 3 --out "$LOGS"
+
+optional=1  # (skipped for time: not a failure)
+if (( ! sanitized )); then
+  sanitize memcheck 70
+  sanitize racecheck 70
+fi
 
 if [[ $status == 0 ]]; then log "all passed; logs in $LOGS"; else log "FAILED (see above); logs in $LOGS"; fi
 exit $status
