@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "moespec/draft_tree.h"
+#include "moespec/draft_tree_device.h"
 #include "moespec/select_cost_aware.h"
 #include "tensor_arg.h"
 
@@ -209,6 +210,82 @@ void bind_draft_tree(py::module_& m) {
       py::arg("selected"), py::arg("count"), py::arg("cand_parents"), py::arg("cand_tokens"), py::arg("root_tokens"),
       py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("mask"), py::arg("num_nodes"),
       py::arg("stream"));
+  m.def(
+      "draft_tree_expand",
+      [](const py::object& tokens, const py::object& logprobs, const py::object& roots, const py::object& d2t,
+         const py::object& cand_tokens, const py::object& cand_parent, const py::object& score, const py::object& root,
+         const py::object& frontier, const py::object& out_index, const py::object& out_tokens,
+         const py::object& out_parent, const py::object& out_parent_slot, const py::object& out_scores,
+         const py::object& ok, int64_t base, float tolerance, uintptr_t stream) {
+        DraftExpandArgs a;
+        a.tokens = to_view(tokens, "tokens");
+        a.logprobs = to_view(logprobs, "logprobs");
+        a.roots = to_view(roots, "roots");
+        a.d2t = to_view(d2t, "d2t");
+        a.cand_tokens = to_view(cand_tokens, "cand_tokens");
+        a.cand_parent = to_view(cand_parent, "cand_parent");
+        a.score = to_view(score, "score");
+        a.root = to_view(root, "root");
+        a.frontier = to_view(frontier, "frontier");
+        a.out_index = to_view(out_index, "out_index");
+        a.out_tokens = to_view(out_tokens, "out_tokens");
+        a.out_parent = to_view(out_parent, "out_parent");
+        a.out_parent_slot = to_view(out_parent_slot, "out_parent_slot");
+        a.out_scores = to_view(out_scores, "out_scores");
+        a.ok = to_view(ok, "ok");
+        a.base = base;
+        a.tolerance = tolerance;
+        py::gil_scoped_release release;
+        if (a.frontier.device == Device::kCUDA) {
+          cuda::draft_tree_expand(a, reinterpret_cast<void*>(stream));
+        } else {
+          draft_tree_expand(a);
+        }
+      },
+      "One level of the draft tree core's buffers (draft_tree_device.h, DraftExpandArgs) on the CPU or CUDA "
+      "(`stream`: the CUDA stream; ignored on the CPU).",
+      py::arg("tokens"), py::arg("logprobs"), py::arg("roots"), py::arg("d2t"), py::arg("cand_tokens"),
+      py::arg("cand_parent"), py::arg("score"), py::arg("root"), py::arg("frontier"), py::arg("out_index"),
+      py::arg("out_tokens"), py::arg("out_parent"), py::arg("out_parent_slot"), py::arg("out_scores"), py::arg("ok"),
+      py::arg("base"), py::arg("tolerance"), py::arg("stream"));
+  m.def(
+      "draft_tree_finalize",
+      [](const py::object& score, const py::object& cand_parent, const py::object& cand_tokens, const py::object& root,
+         const py::object& scratch, const py::object& tokens, const py::object& parents, const py::object& depth,
+         const py::object& scores, const py::object& candidates, const py::object& mask, const py::object& paths,
+         const py::object& num_leaves, const py::object& max_depth, int64_t num_candidates, int32_t top_k,
+         uintptr_t stream) {
+        DraftFinalizeArgs a;
+        a.score = to_view(score, "score");
+        a.cand_parent = to_view(cand_parent, "cand_parent");
+        a.cand_tokens = to_view(cand_tokens, "cand_tokens");
+        a.root = to_view(root, "root");
+        a.scratch = to_view(scratch, "scratch");
+        a.tokens = to_view(tokens, "tokens");
+        a.parents = to_view(parents, "parents");
+        a.depth = to_view(depth, "depth");
+        a.scores = to_view(scores, "scores");
+        a.candidates = to_view(candidates, "candidates");
+        a.mask = to_view(mask, "mask");
+        a.paths = to_view(paths, "paths");
+        a.num_leaves = to_view(num_leaves, "num_leaves");
+        a.max_depth = to_view(max_depth, "max_depth");
+        a.num_candidates = num_candidates;
+        a.top_k = top_k;
+        py::gil_scoped_release release;
+        if (a.score.device == Device::kCUDA) {
+          cuda::draft_tree_finalize(a, reinterpret_cast<void*>(stream));
+        } else {
+          draft_tree_finalize(a);
+        }
+      },
+      "The trees of the draft tree core's buffers (draft_tree_device.h, DraftFinalizeArgs) on the CPU or CUDA.",
+      py::arg("score"), py::arg("cand_parent"), py::arg("cand_tokens"), py::arg("root"), py::arg("scratch"),
+      py::arg("tokens"), py::arg("parents"), py::arg("depth"), py::arg("scores"), py::arg("candidates"),
+      py::arg("mask"), py::arg("paths"), py::arg("num_leaves"), py::arg("max_depth"), py::arg("num_candidates"),
+      py::arg("top_k"), py::arg("stream"));
+  m.attr("kMaxFusedTreeTopK") = kMaxFusedTreeTopK;
+  m.attr("kMaxFusedTreeCandidates") = kMaxFusedTreeCandidates;
   m.attr("kMaxDraftTopK") = kMaxDraftTopK;
   m.attr("kMaxDraftDepth") = kMaxDraftDepth;
   m.attr("kMaxDraftTreeTokens") = kMaxDraftTreeTokens;

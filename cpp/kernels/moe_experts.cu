@@ -180,9 +180,11 @@ __device__ __forceinline__ void dot_rows(const W* __restrict__ w, int64_t ldw, i
   }
 }
 
-// The weight of slot s as the experts use it (round_weights: rounded to bf16 first).
+// The weight of slot s as the experts use it (round_weights: rounded to bf16 first). Read through L2
+// (ld.global.cg, not the non-coherent path a const __restrict__ pointer may get): the routing kernel
+// writes the weights while a programmatic dependent may already be resident.
 __device__ __forceinline__ float slot_weight(const float* __restrict__ weights, int64_t s, bool round) {
-  const float w = weights[s];
+  const float w = __ldcg(weights + s);
   return round ? __bfloat162float(__float2bfloat16_rn(w)) : w;
 }
 
@@ -445,7 +447,7 @@ __device__ void find_expert(const int32_t* __restrict__ ids, const float* __rest
   if (tid == 0) g.bad = 0, g.expert = -1, g.count = 0;
   __syncthreads();
   for (int32_t s = tid; s < slots; s += blockDim.x) {
-    const int32_t id = ids[s];
+    const int32_t id = __ldcg(ids + s);  // (through L2: see slot_weight)
     int32_t key = -1;
     if (id < 0 || id > E) atomicAdd(&g.bad, 1);
     else if (id < E && slot_weight(weights, s, round) != 0.0f) key = id;

@@ -78,7 +78,9 @@ __device__ __forceinline__ void mma_rows(const __nv_bfloat16* const (&w)[kMats],
       if (k >= n) break;
 #pragma unroll
       for (int j = 0; j < kTiles; ++j)
-        if (j < tiles) b[u][j] = __ldg(reinterpret_cast<const uint4*>(arow[j] + 8 * t + k));
+        // (activations through L2, ld.global.cg: a programmatic dependent's predecessor writes them while
+        // it may be resident, so the non-coherent path, for data read-only for the kernel's life, is out)
+        if (j < tiles) b[u][j] = __ldcg(reinterpret_cast<const uint4*>(arow[j] + 8 * t + k));
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {

@@ -1,5 +1,6 @@
 // The CUDA entry points of a build without CUDA (MOESPEC_CUDA=OFF): they say so.
 #include "moespec/decoder_ops.h"
+#include "moespec/draft_tree_device.h"
 #include "moespec/error.h"
 #include "moespec/linear.h"
 #include "moespec/moe_experts.h"
@@ -29,6 +30,14 @@ void route_experts(const RouteExpertsArgs&, void*, std::size_t, void*) {
 std::size_t moe_experts_workspace_size(int64_t, int64_t, int64_t, int64_t, int64_t, DType) { return 0; }
 
 void tree_from_selection(const TreeFromSelectionArgs&, void*) {
+  no_cuda();
+}
+
+void draft_tree_expand(const DraftExpandArgs&, void*) {
+  no_cuda();
+}
+
+void draft_tree_finalize(const DraftFinalizeArgs&, void*) {
   no_cuda();
 }
 

@@ -5,9 +5,9 @@ chain (a verify pass), budget off and B in {16, 32, 64}: step time (median of CU
 calls) against the unique experts a layer actually read, and against the roofline (dense bytes +
 unique-expert bytes) / the device copy bandwidth of the same run. Also the routing + budget op's
 share of a layer at T = 16, and a draft round's tree work (expand_root, 5 expands, finalize at top-k
-8, 32 nodes) on the torch tree core on the GPU against the native core fed from the GPU (each
-level's top-k copied to the host), and a greedy eagle3 step's parts (draft, verify, acceptance, commit,
-catch-up). Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
+8, 32 nodes) on the GPU's tree cores (the fused one: a kernel a level; the torch ops) against the
+native core fed from the GPU (each level's top-k copied to the host), and a greedy eagle3 step's parts
+(draft, verify, acceptance, commit, catch-up) and kernels. Writes $OUT/runtime_bench.json when OUT is set. Target (issue "GPU
 runtime"): within 15% of the roofline at T <= 16, with CUDA graphs (the "graphs" backend,
 moespec.runtime.graphs); each row times the eager reference backend and the graphs backend, the
 latter with its default forward (moespec.runtime.fused: the decoder ops' kernels), with the
@@ -110,7 +110,7 @@ def draft_round_ms(batch: int, core: str, K: int = 8, depth: int = 6, total: int
     """Median wall-clock ms of one draft round's tree work with the level log-probs on the GPU."""
     from moespec.spec.tree import TreeBuilder
 
-    builder = TreeBuilder(batch, depth=depth, top_k=K, total_tokens=total, device=CUDA if core == "torch" else None,
+    builder = TreeBuilder(batch, depth=depth, top_k=K, total_tokens=total, device=CUDA if core != "native" else None,
                           core=core)
     gen = torch.Generator(device=CUDA).manual_seed(0)
     levels = [torch.randn(batch, *([K] if d else []), 4096, device=CUDA, generator=gen).log_softmax(-1).topk(K)
@@ -273,7 +273,7 @@ def main() -> int:
     results["kernels"] = {T: kernel_table(m, cache, T) for T in (1, 16)}
     save()
     rounds = results["draft_round_ms"] = {f"B={B} {core}": draft_round_ms(B, core) for B in (1, 8)
-                                          for core in ("torch", "native")}
+                                          for core in ("fused", "torch", "native")}
     save()
     print("draft round (top-k 8, depth 6, 32 nodes; wall clock, synchronised): "
           + ", ".join(f"{k} {v:.3f} ms" for k, v in rounds.items()))

@@ -1,8 +1,10 @@
-"""The draft tree's torch core on CUDA (moespec.spec.tree_device: what the runtime drafts with on a
-GPU) against the native C++ core on the CPU: the same frontiers at every level and the same trees,
-bit for bit (scores are the same float32 sums; the ranking is a stable sort). Random batches from
-fixed seeds, with ties (coarse and all-equal log-probs), -inf and tiny positive values; and a value
-problem reported at the finalize. Skipped without a CUDA device."""
+"""The draft tree's device cores on CUDA (moespec.spec.tree_device: what the runtime drafts with on a
+GPU), the fused one (a level and a finalize one kernel each, cpp/kernels/draft_tree.cu; the default)
+and the torch ops, against the native C++ core on the CPU: the same frontiers at every level and the
+same trees, bit for bit (scores are the same float32 sums; the ranking is a stable sort's). Random
+batches from fixed seeds, with ties (coarse and all-equal log-probs), -inf and tiny positive values,
+draft ids mapped through d2t (in the level kernel, checks deferred); and a value problem reported at
+the finalize. Skipped without a CUDA device (the fused core: without moespec's CUDA kernels too)."""
 
 from __future__ import annotations
 
@@ -31,16 +33,28 @@ def logprobs(gen, style, *shape):
     return x
 
 
+def core_param(core: str):
+    from moespec._loader import native
+
+    return pytest.param(core, marks=pytest.mark.skipif(
+        core == "fused" and not native().cuda_available(), reason="moespec was built without CUDA kernels"))
+
+
+CORES = pytest.mark.parametrize("core", [core_param("fused"), core_param("torch")])
+
+
+@CORES
 @pytest.mark.parametrize("seed", range(60))
-def test_cuda_core_equals_the_native_core(seed):
+def test_cuda_core_equals_the_native_core(seed, core):
     gen = torch.Generator().manual_seed(seed)
-    B, K = int(torch.randint(1, 9, (), generator=gen)), int(torch.randint(1, 11, (), generator=gen))
+    B, K = int(torch.randint(1, 9, (), generator=gen)), int(torch.randint(1, 11 if seed % 10 else 21, (), generator=gen))
     D, M = int(torch.randint(1, 8, (), generator=gen)), int(torch.randint(1, 100, (), generator=gen))
     style = ("continuous", "coarse", "equal")[seed % 3]
     d2t = torch.randint(0, 50, (300,), generator=gen)
     cpu = TreeBuilder(B, depth=D, top_k=K, total_tokens=M, d2t=d2t)
-    gpu = TreeBuilder(B, depth=D, top_k=K, total_tokens=M, d2t=d2t, device=CUDA)
+    gpu = TreeBuilder(B, depth=D, top_k=K, total_tokens=M, d2t=d2t, device=CUDA, core=core)
     assert gpu._core is not None and gpu._core.device.type == "cuda"
+    assert gpu._core.kernels == (core == "fused" and K <= 16)  # (K > 16: the torch ops)
     roots = torch.randint(0, 1000, (B,), generator=gen)
     tok, lp = torch.randint(0, 300, (B, K), generator=gen), logprobs(gen, style, B, K)
     pairs = [(cpu.expand_root(roots, tok, lp).clone(), gpu.expand_root(roots.to(CUDA), tok.to(CUDA), lp.to(CUDA)).clone())]
@@ -59,8 +73,18 @@ def test_cuda_core_equals_the_native_core(seed):
             assert torch.equal(g, w)
 
 
-def test_a_bad_value_on_cuda_is_reported_at_the_finalize():
-    builder = TreeBuilder(1, depth=2, top_k=2, total_tokens=3, device=CUDA)
+@CORES
+def test_a_bad_value_on_cuda_is_reported_at_the_finalize(core):
+    builder = TreeBuilder(1, depth=2, top_k=2, total_tokens=3, device=CUDA, core=core)
     builder.expand_root([1], torch.tensor([[1, 2]], device=CUDA), torch.tensor([[-1.0, float("nan")]], device=CUDA))
     with pytest.raises(ValueError, match="^logprobs: .*checked at finalize on cuda"):
         builder.finalize()
+
+
+def test_the_default_core_on_cuda_is_the_fused_one(monkeypatch):
+    from moespec._loader import native
+
+    want = "fused" if native().cuda_available() else "torch"
+    assert TreeBuilder(1, top_k=4, device=CUDA)._core.kernels == (want == "fused")
+    monkeypatch.setenv("MOESPEC_TREE_FUSED", "0")
+    assert not TreeBuilder(1, top_k=4, device=CUDA)._core.kernels

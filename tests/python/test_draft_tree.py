@@ -24,7 +24,7 @@ from moespec.spec import DraftTree, TreeBuilder, unpack_mask
 from moespec.spec.tree import pack_mask
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-CORES = pytest.mark.parametrize("core", ["native", "torch"])
+CORES = pytest.mark.parametrize("core", ["native", "torch", "fused"])  # (fused: the kernels' block code)
 
 
 # ---- plain-Python reference (one request) ------------------------------------------------------
@@ -311,8 +311,10 @@ def test_pack_mask_inverts_unpack_mask(n, seed):
     assert torch.equal(unpack_mask(words, n), bits)
 
 
-def test_the_torch_core_defers_value_checks_off_the_cpu_to_the_finalize():
-    # (a GPU's builder checks values at finalize; check_now=False runs that path on the CPU)
+@pytest.mark.parametrize("core", ["torch", "fused"])
+def test_the_torch_core_defers_value_checks_off_the_cpu_to_the_finalize(core):
+    # (a GPU's builder checks values at finalize; check_now=False runs that path on the CPU; the fused
+    # core's kernels map the draft ids and record the flags themselves)
     d2t = torch.zeros(10, dtype=torch.int64)
     good_tok, good_lp = torch.zeros(1, 2, dtype=torch.int64), torch.full((1, 2), -1.0)
     for change, message in [(dict(lp=torch.tensor([[-1.0, float("nan")]])), "^logprobs: expected log-probabilities"),
@@ -320,7 +322,7 @@ def test_the_torch_core_defers_value_checks_off_the_cpu_to_the_finalize():
                             (dict(roots=[-3]), r"^root_tokens: expected token ids in \[0, 2\^31\)"),
                             (dict(tok=torch.tensor([[1, 10]])), r"^tokens: expected draft ids in \[0, V_draft\)"),
                             (dict(level_tok=torch.tensor([[[0, 1], [2, -1]]])), "^tokens: expected draft ids")]:
-        builder = TreeBuilder(1, depth=2, top_k=2, total_tokens=3, d2t=d2t, core="torch")
+        builder = TreeBuilder(1, depth=2, top_k=2, total_tokens=3, d2t=d2t, core=core)
         builder._core.check_now = False
         args = dict(roots=[1], tok=good_tok, lp=good_lp, level_tok=torch.zeros(1, 2, 2, dtype=torch.int64)) | change
         builder.expand_root(args["roots"], args["tok"], args["lp"])  # no error yet
@@ -334,7 +336,98 @@ def test_the_torch_core_defers_value_checks_off_the_cpu_to_the_finalize():
 def test_the_core_follows_the_device_and_the_native_core_is_the_cpus_only():
     assert TreeBuilder(1, top_k=2)._core is None  # the CPU: native
     assert TreeBuilder(1, top_k=2, core="torch")._core is not None
-    with pytest.raises(ValueError, match="^core: expected 'native' \\(the CPU only\\) or 'torch'"):
+    with pytest.raises(ValueError, match="^core: expected 'native' \\(the CPU only\\), 'torch' or 'fused'"):
         TreeBuilder(1, top_k=2, device="cuda", core="native")
     with pytest.raises(ValueError, match="^core: "):
         TreeBuilder(1, top_k=2, core="gpu")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=tree_cases(top_k=(1, 16), depths=(1, 6), totals=(1, 120)), vocab=st.integers(1, 50))
+def test_the_tree_kernels_with_deferred_checks_and_d2t_give_the_native_cores_trees(case, vocab):
+    # (a GPU's path: the level kernel maps the draft ids through d2t and records the flags; the
+    # finalize kernel builds the trees; the CPU runs the same block code with one thread)
+    k, depth, total, roots, (tok0, lp0), steps = case
+    d2t = torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(vocab))
+    B = roots.shape[0]
+    native_core = TreeBuilder(B, depth=depth, top_k=k, total_tokens=total, d2t=d2t)
+    fused = TreeBuilder(B, depth=depth, top_k=k, total_tokens=total, d2t=d2t, core="fused")
+    fused._core.check_now = False
+    assert fused._core.kernels
+    levels = [(tok0 % vocab, lp0)] + [(t % vocab, lp) for t, lp in steps]
+    for level, (toks, lps) in enumerate(levels):
+        got, want = ((b.expand_root(roots, toks, lps) if level == 0 else b.expand(toks, lps)).clone()
+                     for b in (fused, native_core))
+        for name in ("index", "tokens", "parent", "parent_slot", "scores"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (level, name)
+        fused_trees = fused.finalize()
+        for g, w in zip(fused_trees, native_core.finalize()):
+            for name in ("tokens", "parents", "depth", "scores", "candidates", "mask_words", "paths"):
+                assert torch.equal(getattr(g, name), getattr(w, name)), (level, name)
+
+
+def test_the_tree_kernels_fall_back_to_torch_ops_beyond_their_bounds_and_the_default_core(monkeypatch):
+    from moespec._loader import native
+    from moespec.spec.tree import default_device_core
+
+    assert TreeBuilder(1, top_k=16, depth=2, core="fused")._core.kernels
+    assert not TreeBuilder(1, top_k=17, depth=2, core="fused")._core.kernels  # (top_k > 16: torch ops)
+    assert not TreeBuilder(1, top_k=16, depth=18, core="fused")._core.kernels  # (16 + 16 * 256 > 4096 candidates)
+    monkeypatch.setenv("MOESPEC_TREE_FUSED", "0")
+    assert default_device_core() == "torch"
+    monkeypatch.setenv("MOESPEC_TREE_FUSED", "1")
+    assert default_device_core() == ("fused" if native().cuda_available() else "torch")
+    monkeypatch.setenv("MOESPEC_TREE_FUSED", "yes")
+    with pytest.raises(ValueError, match="^MOESPEC_TREE_FUSED: expected '1' or '0', got 'yes'"):
+        default_device_core()
+
+
+def test_the_tree_kernels_name_a_bad_argument():
+    from moespec._loader import native
+    from moespec._tensor import view
+
+    B, K, S = 2, 3, 12
+    i64, i32, f32 = (dict(dtype=d) for d in (torch.int64, torch.int32, torch.float32))
+    args = dict(tokens=torch.zeros(B, K, **i64), logprobs=torch.zeros(B, K, **f32), roots=torch.zeros(B, **i64),
+                d2t=None, cand_tokens=torch.zeros(B, S, **i64), cand_parent=torch.zeros(B, S, **i32),
+                score=torch.zeros(B, S, **f32), root=torch.zeros(B, **i64), frontier=torch.zeros(B, K, **i64),
+                out_index=torch.zeros(B, K, **i32), out_tokens=torch.zeros(B, K, **i64),
+                out_parent=torch.zeros(B, K, **i32), out_parent_slot=torch.zeros(B, K, **i32),
+                out_scores=torch.zeros(B, K, **f32), ok=torch.zeros(3, dtype=torch.uint8))
+
+    def expand(base=0, **change):
+        a = args | change
+        native().draft_tree_expand(*(view(t, n) for n, t in a.items()), base, 1e-3, 0)
+
+    expand()  # the good call
+    for change, message in [(dict(tokens=torch.zeros(B, K, **i32)), "^tokens: "),
+                            (dict(logprobs=torch.zeros(B, K + 1, **f32)), "^logprobs: "),
+                            (dict(frontier=torch.zeros(B, 17, **i64)), r"^frontier: expected K in \[1, 16\]"),
+                            (dict(score=torch.zeros(B, 2, **f32)), "^score: expected room for 3 candidates"),
+                            (dict(cand_parent=torch.zeros(B, S, **i64)), "^cand_parent: "),
+                            (dict(ok=torch.zeros(2, dtype=torch.uint8)), r"^ok: expected \[F\], F >= 3"),
+                            (dict(out_scores=torch.zeros(B, K, **f32).t().contiguous().t()), "^out_scores: ")]:
+        with pytest.raises(ValueError, match=message):
+            expand(**change)
+    with pytest.raises(ValueError, match="^base: expected K <= base <= S - K\\^2"):
+        expand(base=2, roots=None, tokens=torch.zeros(B, K * K, **i64), logprobs=torch.zeros(B, K * K, **f32))
+    N = 4
+    out = dict(score=args["score"], cand_parent=args["cand_parent"], cand_tokens=args["cand_tokens"],
+               root=args["root"], scratch=torch.zeros(B, 2 * S + 4 * N, **i32), tokens=torch.zeros(B, N, **i64),
+               parents=torch.zeros(B, N, **i32), depth=torch.zeros(B, N, **i32), scores=torch.zeros(B, N, **f32),
+               candidates=torch.zeros(B, N, **i32), mask=torch.zeros(B, N, 1, **i32),
+               paths=torch.zeros(B, N - 1, 3, **i32), num_leaves=torch.zeros(B, **i32),
+               max_depth=torch.zeros(B, **i32))
+
+    def finalize(C=K + K * K, **change):
+        native().draft_tree_finalize(*(view(t, n) for n, t in (out | change).items()), C, K, 0)
+
+    finalize()
+    for change, message in [(dict(C=0), r"^num_candidates: expected an int in \[1, 12\]"),
+                            (dict(C=13), "^num_candidates: "),
+                            (dict(scratch=torch.zeros(B, 10, **i32)), r"^scratch: expected \[B, >= 2 C \+ 4 N"),
+                            (dict(mask=torch.zeros(B, N, 2, **i32)), "^mask: "),
+                            (dict(paths=torch.zeros(B, N - 1, 2, **i32)), "^paths: "),
+                            (dict(tokens=torch.zeros(B, 14, **i64)), r"^tokens: expected N in \[2, C \+ 1")]:
+        with pytest.raises(ValueError, match=message):
+            finalize(**change)

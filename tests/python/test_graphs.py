@@ -206,10 +206,11 @@ def test_draft_rounds_replayed_from_a_captured_graph_equal_the_eager_rounds(fold
     assert len(static.run([7] * batch, logits, hidden)) == batch  # and the next replay rewrites them
 
 
-def _gpu_like_paths(folder, monkeypatch):
+def _gpu_like_paths(folder, monkeypatch, core: str = "fused"):
     """A target (graphs backend) and a random head on the code paths a GPU takes, on the CPU: the
     head's torch ops (a fake capture records no native call), F.linear, draft graphs captured into
-    fake_graph's stand-in, and the torch tree core with its value checks deferred."""
+    fake_graph's stand-in, and the tree core ``core`` (a GPU's default: the fused one) with its value
+    checks deferred."""
     from fake_graph import fake_capture
     from moespec.spec import draft_graph, eagle3_policy
     from moespec.spec.train import new_head
@@ -225,8 +226,9 @@ def _gpu_like_paths(folder, monkeypatch):
     monkeypatch.setattr(draft_graph.StaticCatchUp, "capture_on", ("cuda", "cpu"))
 
     def gpu_like_builder(*args, **kwargs):
-        builder = TreeBuilder(*args, **{**kwargs, "core": "torch"})
+        builder = TreeBuilder(*args, **{**kwargs, "core": core})
         builder._core.check_now = False
+        assert builder._core.kernels == (core == "fused")
         return builder
 
     monkeypatch.setattr(eagle3_policy, "TreeBuilder", gpu_like_builder)
@@ -431,7 +433,11 @@ def test_the_draft_rounds_kernel_count_on_a_gpus_paths(tmp_path):
     from moespec.tools import count_kernels
 
     got = count_kernels.count(depth=4, top_k=4, nodes=8)
-    assert got["round"]["kernels"] <= 250 and got["catch_up"]["kernels"] <= 40, got
+    assert got["round"]["kernels"] <= 110 and got["catch_up"]["kernels"] <= 40, got
+    # the fused tree core (a GPU's default): a level and a finalize one kernel each (239 kernels a round
+    # on the torch core's ops; 297 before 2026-12-05)
+    assert got["round"]["ops"]["draft_tree_expand"] == 4 and got["round"]["ops"]["draft_tree_finalize"] == 1
+    assert count_kernels.count(depth=4, top_k=4, nodes=8, tree_core="torch")["round"]["kernels"] <= 250
     # the step besides its three graphs: 41 before the trees were left uncopied and the verify's
     # geometry and the acceptance's copy back made in a few launches for any B (2026-12-06)
     assert got["step"]["kernels"] <= 30 and got["step"]["graphs"] == ["catch_up", "round", "verify"], got["step"]

@@ -81,23 +81,23 @@ def test_greedy_eagle3_equals_greedy_ar(family, depth, top_k, total, seed, model
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_eagle3_on_the_gpus_tree_core_equals_greedy_ar(family, models, ar_outputs, monkeypatch):
-    """The torch tree core (moespec.spec.tree_device: what a GPU runs, its buffers on the device) in
-    the whole loop, here on the CPU, batched."""
+    """The fused tree core (moespec.spec.tree_device with its kernels: what a GPU runs, its buffers on
+    the device) in the whole loop, here on the CPU (the kernels' block code), batched."""
     import moespec.spec.eagle3_policy as policy
     from moespec.spec.tree import TreeBuilder
 
     built = []
 
-    def torch_core(*args, **kwargs):
-        built.append(TreeBuilder(*args, **{**kwargs, "core": "torch"}))
+    def fused_core(*args, **kwargs):
+        built.append(TreeBuilder(*args, **{**kwargs, "core": "fused"}))
         return built[-1]
 
-    monkeypatch.setattr(policy, "TreeBuilder", torch_core)
+    monkeypatch.setattr(policy, "TreeBuilder", fused_core)
     prompts, want = ar_outputs
     config = SpeculativeConfig("eagle3", depth=4, top_k=3, total_tokens=10)
     llm = LLM(models[family], draft=_head(models[family], 1), speculative_config=config, max_batch_size=3)
     assert _greedy(llm, prompts) == want[family]
-    assert built and all(b._core is not None for b in built)
+    assert built and all(b._core is not None and b._core.kernels for b in built)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -204,10 +204,12 @@ def test_trained_head_is_lossless_and_accepts_more(models, ar_outputs, trained_h
     assert good / 3 >= bad / 3 + 0.5, (good / 3, bad / 3)
 
 
-def test_the_gpus_tree_core_drafts_the_native_cores_trees(models, ar_outputs, trained_head, monkeypatch):
-    """With a head that is accepted, the torch tree core (run on the CPU) gives every eagle3 step the
-    native core's tree: the same acceptance lengths step by step. eco (which selects among the
-    builder's candidates) prices its trees with measured step times, so only its output is compared."""
+@pytest.mark.parametrize("core", ["torch", "fused"])
+def test_the_gpus_tree_core_drafts_the_native_cores_trees(core, models, ar_outputs, trained_head, monkeypatch):
+    """With a head that is accepted, the torch tree core and the fused one (run on the CPU) give every
+    eagle3 step the native core's tree: the same acceptance lengths step by step. eco (which selects
+    among the builder's candidates) prices its trees with measured step times, so only its output is
+    compared."""
     import moespec.spec.eagle3_policy as policy
     from moespec.spec.tree import TreeBuilder
 
@@ -223,7 +225,7 @@ def test_the_gpus_tree_core_drafts_the_native_cores_trees(models, ar_outputs, tr
         return [o.outputs[0].token_ids for o in outs], [o.stats.acceptance_lengths for o in outs]
 
     native = [steps(c) for c in configs]
-    monkeypatch.setattr(policy, "TreeBuilder", lambda *a, **k: TreeBuilder(*a, **{**k, "core": "torch"}))
+    monkeypatch.setattr(policy, "TreeBuilder", lambda *a, **k: TreeBuilder(*a, **{**k, "core": core}))
     for config, (tokens, lengths) in zip(configs, native):
         got_tokens, got_lengths = steps(config)
         assert got_tokens == tokens == want["qwen3_moe"]

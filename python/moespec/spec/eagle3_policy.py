@@ -39,7 +39,7 @@ from moespec.spec.draft_graph import PathFeatures, StaticCatchUp, StaticDraftRou
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
 from moespec.spec.policies import Run, _cache_len, host_single_threaded
 from moespec.spec.sampling import accept_trees, sample
-from moespec.spec.tree import TreeBuilder
+from moespec.spec.tree import TreeBuilder, default_device_core
 
 
 class Eagle3Policy:
@@ -92,8 +92,9 @@ class Eagle3Policy:
         return self.draft_graphs and self.selector is None
 
     def _builder(self, batch: int) -> TreeBuilder:
-        """EAGLE-2's rounds keep their trees on the target's device (a GPU's: the torch core, no host
-        synchronisation between levels; captured with a static round). The eco policies' rounds, whose
+        """EAGLE-2's rounds keep their trees on the target's device (a GPU's: the fused core, a kernel a
+        level, no host synchronisation between levels; captured with a static round; a static round
+        on the CPU: the torch core). The eco policies' rounds, whose
         cost-aware choice reads every level on the host anyway, build them there with the native core,
         beside a GPU too (an H200: 0.29-0.39 ms a round with the levels' top-k on the GPU, against 3.4 ms
         of the torch core's small kernels; tests/gpu/bench_runtime_cuda.py "draft round")."""
@@ -102,8 +103,13 @@ class Eagle3Policy:
             on_host = self.selector is not None
             self._builders[batch] = TreeBuilder(batch, depth=c.depth, top_k=c.top_k, total_tokens=c.total_tokens,
                                                 d2t=self.head.d2t, device="cpu" if on_host else self.target.device,
-                                                core="torch" if self.static_round else None)
+                                                core=self._static_core() if self.static_round else None)
         return self._builders[batch]
+
+    def _static_core(self) -> str:
+        """A static round's tree core (one that keeps its trees on the device): the device's default,
+        the torch core on the CPU (whose default, the native core, cannot be captured)."""
+        return "torch" if self.target.device.type == "cpu" else default_device_core()
 
     # ---- start: prefill the target, catch the draft up over the prompt -----------------------------
 

@@ -26,6 +26,7 @@ M tree nodes without the root (M <= total_tokens), W = ceil((M + 1) / 32) mask w
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -225,6 +226,19 @@ class Candidates:
     scores: torch.Tensor
 
 
+CORES = ("native", "torch", "fused")
+
+
+def default_device_core() -> str:
+    """The tree core off the CPU: "fused" (the torch core's buffers, a level and a finalize in one
+    of moespec's kernels each) where the build has its CUDA kernels, unless MOESPEC_TREE_FUSED=0;
+    else "torch"."""
+    setting = os.environ.get("MOESPEC_TREE_FUSED", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"MOESPEC_TREE_FUSED: expected '1' or '0', got {setting!r}")
+    return "fused" if setting == "1" and native().cuda_available() else "torch"
+
+
 class TreeBuilder:
     """Builds B requests' EAGLE-2 dynamic draft trees in lockstep (native ``DraftTreeBatch``).
 
@@ -251,8 +265,12 @@ class TreeBuilder:
     asc), so ties are broken the same way everywhere and the trees are closed under ancestors.
     device : the device of the builder's buffers and outputs (default: the CPU). Inputs may live on
         any device (they are copied to the builder's).
-    core : "native" (the C++ core; the CPU only) or "torch" (:mod:`moespec.spec.tree_device`; any
-        device); default native on the CPU, torch elsewhere. Both give identical trees.
+    core : "native" (the C++ core; the CPU only), "torch" (:mod:`moespec.spec.tree_device`; any
+        device) or "fused" (the torch core's buffers with a level and a finalize in one of moespec's
+        kernels each, ``draft_tree_expand`` / ``draft_tree_finalize``, where top_k <= 16 and the
+        candidates <= 4096, else the torch ops; on the CPU the kernels' block code runs with one
+        thread); default native on the CPU, elsewhere :func:`default_device_core`. All give
+        identical trees.
 
     Bad input raises ValueError naming the argument, and leaves the builder as it was; on a GPU the
     value checks (token ids, log-probabilities) run at :meth:`finalize` instead (checking at each call
@@ -290,15 +308,15 @@ class TreeBuilder:
         if d2t is not None and (not isinstance(d2t, torch.Tensor) or d2t.dim() != 1 or d2t.dtype != torch.int64):
             raise ValueError(f"d2t: expected an int64 tensor [V_draft], got {_describe(d2t)}")
         device = torch.device("cpu" if device is None else device)
-        core = core or ("native" if device.type == "cpu" else "torch")
-        if core not in ("native", "torch") or (core == "native" and device.type != "cpu"):
-            raise ValueError(f"core: expected 'native' (the CPU only) or 'torch', got {core!r} on {device}")
+        core = core or ("native" if device.type == "cpu" else default_device_core())
+        if core not in CORES or (core == "native" and device.type != "cpu"):
+            raise ValueError(f"core: expected 'native' (the CPU only), 'torch' or 'fused', got {core!r} on {device}")
         if core == "native":
             self._impl, self._core = native().DraftTreeBatch(batch, depth, top_k, total_tokens), None
         else:
             from moespec.spec.tree_device import TorchTreeCore
 
-            self._impl = self._core = TorchTreeCore(batch, depth, top_k, total_tokens, device)
+            self._impl = self._core = TorchTreeCore(batch, depth, top_k, total_tokens, device, kernels=core == "fused")
         self.device = device
         self._d2t = None if d2t is None else d2t.to(device)
         B, K = batch, top_k
@@ -384,9 +402,10 @@ class TreeBuilder:
         Frontier
             The K children of each root, best first (depth 1).
         """
-        tokens, ok = self._map(tokens)
+        tokens, ok, d2t = self._map(tokens)
         if self._core is not None:
-            self._core.expand_root(torch.as_tensor(root_tokens), tokens, logprobs, self._f_out, draft_ids_ok=ok)
+            self._core.expand_root(torch.as_tensor(root_tokens), tokens, logprobs, self._f_out, draft_ids_ok=ok,
+                                   d2t=d2t)
             return self._current_frontier()
         # Locals keep converted copies alive while the native call reads them.
         roots, logprobs = _cpu(torch.as_tensor(root_tokens)), _float32(logprobs)
@@ -409,9 +428,9 @@ class TreeBuilder:
         Frontier
             The K best of the K^2 new candidates of each request, best first.
         """
-        tokens, ok = self._map(tokens)
+        tokens, ok, d2t = self._map(tokens)
         if self._core is not None:
-            self._core.expand(tokens, logprobs, self._f_out, draft_ids_ok=ok)
+            self._core.expand(tokens, logprobs, self._f_out, draft_ids_ok=ok, d2t=d2t)
             return self._current_frontier()
         logprobs = _float32(logprobs)  # locals: alive during the call
         self._impl.expand(view(tokens, "tokens"), view(logprobs, "logprobs"), *self._f_views)
@@ -511,9 +530,12 @@ class TreeBuilder:
     def _map(self, tokens) -> tuple:
         """Draft ids -> target ids on the builder's device, and the torch core's deferred flag that
         they were all in range (off the CPU it is raised at the finalize; None where the range is
-        checked now, or without a d2t)."""
+        checked now, or without a d2t); or, for the tree kernels with checks deferred, the draft ids
+        and the map (the level's kernel maps them and records the flag)."""
         if self._d2t is None or not isinstance(tokens, torch.Tensor):
-            return (tokens if self._core is not None else _cpu(tokens)), None
+            return (tokens if self._core is not None else _cpu(tokens)), None, None
+        if self._core is not None and self._core.kernels and not self._core.check_now:
+            return tokens, None, self._d2t
         V = self._d2t.shape[0]
         tokens = tokens.to(self.device, non_blocking=True)
         inside = tokens.clamp(0, V - 1)
@@ -524,7 +546,7 @@ class TreeBuilder:
                                  f"got values in [{int(tokens.min())}, {int(tokens.max())}]")
             ok = None
         tokens = tokens + self._d2t[inside]
-        return (tokens if self._core is not None else _cpu(tokens)), ok
+        return (tokens if self._core is not None else _cpu(tokens)), ok, None
 
     def _layout(self, levels: int) -> tuple:
         """The finalize outputs for trees of ``levels`` levels (the native core's descriptors of them, the

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from moespec._loader import native
 from moespec.spec.tree import _bits_as_int32, _describe
 
 LOGPROB_TOLERANCE = 1e-3  # (kDraftLogprobTolerance) the largest log-prob accepted, counted as 0
@@ -51,7 +52,8 @@ class TorchTreeCore:
     masks' own bits, the sort keys' weights) is computed once per tree size, outputs are written in
     place (``out=``), and problems are recorded as flags copied back with the finalize's results."""
 
-    def __init__(self, batch: int, depth: int, top_k: int, total_tokens: int, device: torch.device):
+    def __init__(self, batch: int, depth: int, top_k: int, total_tokens: int, device: torch.device,
+                 kernels: bool = False):
         for name, value, low, high in (("batch", batch, 1, None), ("depth", depth, 1, 64), ("top_k", top_k, 1, 64),
                                        ("total_tokens", total_tokens, 1, 4096)):
             if value < low or (high is not None and value > high):
@@ -77,6 +79,13 @@ class TorchTreeCore:
         self._checks: list[str] = []
         self._ok = torch.ones(3 * depth + 1, dtype=torch.bool, **kw)  # [F]: 4 at expand_root, 3 per expand
         self._by_nodes: dict[tuple[int, int], dict] = {}  # (N, L) -> what a finalize of that shape reuses
+        # moespec's tree kernels (draft_tree_expand / draft_tree_finalize: one launch a level and one a
+        # finalize) where the sizes fit them, else the torch ops below
+        n = native()
+        self.kernels = kernels and top_k <= n.kMaxFusedTreeTopK and C <= n.kMaxFusedTreeCandidates
+        if self.kernels:
+            self._scratch = torch.empty(B, 2 * C + 4 * self.max_nodes, dtype=torch.int32, **kw)
+            self._spare_flags = torch.empty(4, dtype=torch.uint8, **kw)  # (a level's flags where checked at the call)
 
     # -- sizes -------------------------------------------------------------------------------------
 
@@ -99,15 +108,19 @@ class TorchTreeCore:
     # -- one round ---------------------------------------------------------------------------------
 
     def expand_root(self, roots: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, out: dict,
-                    draft_ids_ok: Optional[torch.Tensor] = None) -> None:
+                    draft_ids_ok: Optional[torch.Tensor] = None, d2t: Optional[torch.Tensor] = None) -> None:
         """roots [B], tokens [B, K] (target ids), logprobs [B, K] float; writes the frontier ``out``.
-        ``draft_ids_ok``: the caller's deferred flag for the draft ids it mapped to ``tokens``."""
+        ``draft_ids_ok``: the caller's deferred flag for the draft ids it mapped to ``tokens``; ``d2t``
+        (the kernels only, checks deferred): tokens are draft ids, mapped through it here."""
         B, K = self.batch, self.top_k
         roots = self._ids(roots, "root_tokens", (B,))
         tokens = self._ids(tokens, "tokens", (B, K))
         logprobs = self._logprobs(logprobs, (B, K))
         self._check(roots, tokens, logprobs)
         self._checks = []
+        if self.kernels:
+            self._level_kernel(tokens, logprobs, out, roots, d2t)
+            return
         self._store_ids(roots, self._root, "root_tokens")
         self._store_ids(tokens, self._tokens[:, :K], "tokens", draft_ids_ok)
         self._record("logprobs", lambda: logprobs.le(LOGPROB_TOLERANCE))
@@ -120,7 +133,7 @@ class TorchTreeCore:
         out["parent_slot"].fill_(-1)
 
     def expand(self, tokens: torch.Tensor, logprobs: torch.Tensor, out: dict,
-               draft_ids_ok: Optional[torch.Tensor] = None) -> None:
+               draft_ids_ok: Optional[torch.Tensor] = None, d2t: Optional[torch.Tensor] = None) -> None:
         """tokens [B, K, K] (target ids; row s: the children of frontier slot s), logprobs [B, K, K]."""
         B, K = self.batch, self.top_k
         if self.levels < 1:
@@ -131,6 +144,9 @@ class TorchTreeCore:
         tokens = self._ids(tokens, "tokens", (B, K, K))
         logprobs = self._logprobs(logprobs, (B, K, K))
         self._check(None, tokens, logprobs)
+        if self.kernels:
+            self._level_kernel(tokens, logprobs, out, None, d2t)
+            return
         base, n = self.num_candidates, K * K
         parent = self._frontier  # [B, K]
         self._store_ids(tokens, self._tokens[:, base: base + n].view(B, K, K), "tokens", draft_ids_ok)
@@ -155,6 +171,9 @@ class TorchTreeCore:
             raise ValueError("finalize: the trees have no root yet: call expand_root first")
         B, C, N = self.batch, self.num_candidates, self.num_nodes
         M, L = N - 1, self.levels + 1
+        if self.kernels:
+            self._finalize_kernel(out, C)
+            return
         at = self._shape_constants(N, L)
         up, ext_depth = at["up"], at["depth"]  # [B, N + 1]: parent / depth per node, column N: a sentinel
         score = self._score[:, :C]
@@ -272,6 +291,35 @@ class TorchTreeCore:
         out.copy_(torch.where(at["slot"][:, : N - 1, None] < num_leaves[:, None, None], rows, -1))
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _level_kernel(self, tokens: torch.Tensor, logprobs: torch.Tensor, out: dict, roots: Optional[torch.Tensor],
+                      d2t: Optional[torch.Tensor]) -> None:
+        """A level in one launch (moespec::draft_tree_expand): the root level with ``roots``; its flags
+        written in the order the torch ops record them (checked now, on the CPU: into a spare buffer)."""
+        from moespec.ops.draft_tree import draft_tree_expand
+
+        base = 0 if roots is not None else self.num_candidates
+        names = (["root_tokens"] if roots is not None else []) + (["draft_ids"] if d2t is not None else []) + \
+            ["tokens", "logprobs"]
+        B = self.batch  # ([B, n] contiguous)
+        tokens, logprobs = tokens.reshape(B, -1).contiguous(), logprobs.reshape(B, -1).contiguous()
+        flags = self._spare_flags
+        if not self.check_now:
+            flags = self._ok[len(self._checks): len(self._checks) + len(names)].view(torch.uint8)
+            self._checks += names
+        draft_tree_expand(tokens, logprobs, roots, d2t, self._tokens, self._parent, self._score, self._root,
+                          self._frontier, *(out[name] for name in ("index", "tokens", "parent", "parent_slot", "scores")),
+                          flags, base, LOGPROB_TOLERANCE)
+        self.levels = 1 if roots is not None else self.levels + 1
+
+    def _finalize_kernel(self, out: dict, C: int) -> None:
+        """The trees of the C candidates in one launch (moespec::draft_tree_finalize)."""
+        from moespec.ops.draft_tree import draft_tree_finalize
+
+        draft_tree_finalize(self._score, self._parent, self._tokens, self._root, self._scratch,
+                            *(out[name] for name in ("tokens", "parents", "depth", "scores", "candidates",
+                                                     "mask_words", "paths", "num_leaves", "max_depth")),
+                            C, self.top_k)
 
     def _store_ids(self, t: torch.Tensor, dest: torch.Tensor, name: str, draft_ids_ok=None) -> None:
         """Writes ids clamped into [0, 2^31) (bad input never reaches a device assert) and records

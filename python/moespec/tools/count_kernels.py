@@ -101,10 +101,13 @@ def _tiny_model():
     return TargetModel(config, weights)
 
 
-def count(depth: int = 4, top_k: int = 4, nodes: int = 8, batch: int = 1, steps: int = 2) -> dict:
+def count(depth: int = 4, top_k: int = 4, nodes: int = 8, batch: int = 1, steps: int = 2,
+          tree_core: str = "fused") -> dict:
     """{"round": {"kernels": n, "ops": {op: count}}, "catch_up": {...}, "step": {..., "graphs": [names]}}:
     the last step's static draft round, static catch-up and what it launched outside its graphs
-    (``graphs``: those it replayed), on a GPU's code paths (see the module docstring)."""
+    (``graphs``: those it replayed), on a GPU's code paths (see the module docstring); the round's
+    trees on ``tree_core`` ("fused": a GPU's default, :func:`moespec.spec.tree.default_device_core`;
+    or "torch")."""
     from moespec import SamplingParams, SpeculativeConfig
     from moespec.runtime import graphs
     from moespec.spec import draft_graph
@@ -120,6 +123,7 @@ def count(depth: int = 4, top_k: int = 4, nodes: int = 8, batch: int = 1, steps:
     os.environ["MOESPEC_DRAFT_GRAPHS"] = "1"
     try:
         policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=depth, top_k=top_k, total_tokens=nodes))
+        policy._static_core = lambda: tree_core  # (a GPU's core; the CPU's static rounds take the torch core)
     finally:
         if saved_env is None:
             os.environ.pop("MOESPEC_DRAFT_GRAPHS")
@@ -174,13 +178,15 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tree-core", choices=["fused", "torch"], default="fused",
+                        help="the draft round's tree core (fused: a GPU's default)")
     parser.add_argument("--json", help="also write the counts here (atomically)")
     args = parser.parse_args(argv)
     for name, value in (("--depth", args.depth), ("--top-k", args.top_k), ("--nodes", args.nodes),
                         ("--batch", args.batch)):
         if not 1 <= value <= 64:
             parser.error(f"{name}: expected 1 to 64, got {value}")
-    result = count(args.depth, args.top_k, args.nodes, args.batch)
+    result = count(args.depth, args.top_k, args.nodes, args.batch, tree_core=args.tree_core)
     for name, c in result.items():
         top = ", ".join(f"{op} {n}" for op, n in list(c["ops"].items())[:12])
         besides = f" besides one replay of each of its graphs ({', '.join(c['graphs'])})" if "graphs" in c else ""
