@@ -6,6 +6,8 @@
   active expert's weights read once (fast CPU kernel, SIMD + thread pool).
 - :func:`linear` (op ``moespec::linear``): a dense projection at decode/verify sizes, weights
   streamed once for all tokens, batch-invariant.
+- :mod:`moespec.ops.draft_tree` (ops ``moespec::draft_tree_expand``, ``moespec::draft_tree_finalize``):
+  the draft tree core's level and finalize, one kernel each (the fused tree core's).
 - :mod:`moespec.ops.reference`: the plain-torch reference implementations the tests hold the
   native ops against.
 """
