@@ -60,6 +60,32 @@ __device__ __forceinline__ void launch_dependents() {
 
 }  // namespace device
 
+// Makes `device` current for the scope of an op's call (its tensors and stream are that device's:
+// the capability checks and the launches ask the current device), then restores the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaError_t status = cudaGetDevice(&previous_);
+    if (status == cudaSuccess && previous_ == device) {
+      previous_ = -1;
+    } else if (status == cudaSuccess) {
+      status = cudaSetDevice(device);
+    }
+    if (status != cudaSuccess) {
+      previous_ = -1;
+      throw_runtime("moespec: making CUDA device ", device, " current failed: ", cudaGetErrorString(status));
+    }
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 // The current device's compute capability major (0 when unknown); asked once per device. sm_80+:
 // bf16 mma.sync; sm_90+: programmatic dependent launch.
 inline int device_major() {

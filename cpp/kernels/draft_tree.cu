@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "device_common.cuh"
 #include "moespec/detail/draft_tree_block.h"
 #include "moespec/draft_tree_device.h"
 #include "moespec/error.h"
@@ -46,6 +47,7 @@ void check_launch(const char* op) {
 void draft_tree_expand(const DraftExpandArgs& a, void* stream) {
   const int64_t B = check_draft_tree_expand(a, Device::kCUDA);
   if (B == 0) return;
+  DeviceGuard guard(a.frontier.device_index);
   expand_kernel<<<1, kExpandThreads, 0, static_cast<cudaStream_t>(stream)>>>(detail::expand_work(a, B));
   check_launch("draft_tree_expand");
 }
@@ -54,6 +56,7 @@ void draft_tree_finalize(const DraftFinalizeArgs& a, void* stream) {
   const int64_t B = check_draft_tree_finalize(a, Device::kCUDA);
   if (B == 0) return;
   MOESPEC_CHECK_ARG(B <= 65535, "score", "at most 65535 requests, got ", a.score.describe());
+  DeviceGuard guard(a.score.device_index);
   const FinalizeStrides s{a.score.strides[0],  a.cand_parent.strides[0], a.cand_tokens.strides[0],
                           a.scratch.shape[1],  a.tokens.strides[0],      a.parents.strides[0],
                           a.depth.strides[0],  a.scores.strides[0],      a.candidates.strides[0],

@@ -94,6 +94,7 @@ void linear(const LinearArgs& a, void* stream) {
   validate_linear(a);
   MOESPEC_CHECK_ARG(a.x.device == Device::kCUDA, "x", "moespec::cuda::linear needs CUDA tensors, got ",
                     a.x.describe());
+  DeviceGuard guard(a.x.device_index);
   MOESPEC_CHECK_ARG(a.x.dtype == DType::kBFloat16, "x", "the CUDA kernel takes bfloat16 (torch's GEMM the rest), got ",
                     a.x.describe());
   const int64_t T = a.x.shape[0], K = a.x.shape[1], N = a.weight.shape[0];

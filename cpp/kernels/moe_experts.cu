@@ -727,6 +727,7 @@ void moe_experts(const MoeExpertsArgs& a, void* workspace, std::size_t workspace
   validate_moe_experts(a);
   MOESPEC_CHECK_ARG(a.x.device == Device::kCUDA, "x", "moespec::cuda::moe_experts needs CUDA tensors, got ",
                     a.x.describe());
+  DeviceGuard guard(a.x.device_index);
   const int64_t T = a.x.shape[0], H = a.x.shape[1], K = a.ids.shape[1], E = a.experts.shape[0];
   const int64_t I = a.intermediate_size;
   MOESPEC_CHECK_ARG(E <= kMaxMoeExperts, "experts", "the CUDA kernel groups at most ", kMaxMoeExperts,

@@ -327,26 +327,6 @@ void check_cuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) throw_runtime("route_experts: ", what, " failed: ", cudaGetErrorString(status));
 }
 
-// Makes `device` current for the scope of a call (the stream belongs to it), then restores.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ == device) {
-      previous_ = -1;
-    } else {
-      check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    }
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 int round_up_warp(int n) { return (n + kWarp - 1) / kWarp * kWarp; }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "device_common.cuh"
 #include "moespec/error.h"
 #include "moespec/select_cost_aware.h"
 
@@ -230,6 +231,7 @@ void select_cost_aware(const SelectCostAwareBatchArgs& a, void* stream) {
   MOESPEC_CHECK_ARG(C <= (int64_t{1} << 20) && L * K <= (int64_t{1} << 20), "predicted", "too many candidates or slots: ",
                     a.predicted.describe());
   if (B == 0) return;
+  DeviceGuard guard(dev);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const float token_s = a.token_s * a.cost_scale;
   auto launch = [&](auto* state) {
@@ -273,6 +275,7 @@ void tree_from_selection(const TreeFromSelectionArgs& a, void* stream) {
   check_cuda(a.num_nodes, "num_nodes", i32, {B}, dev);
   MOESPEC_CHECK_ARG(C <= (int64_t{1} << 14), "selected", "at most 16384 candidates per request, got ", C);
   if (B == 0) return;
+  DeviceGuard guard(dev);
   tree_kernel<<<static_cast<unsigned>(B), 32, sizeof(int32_t) * static_cast<std::size_t>(C),
                 static_cast<cudaStream_t>(stream)>>>(
       a.selected.ptr<const int32_t>(), a.count.ptr<const int32_t>(), a.cand_parents.ptr<const int32_t>(),
