@@ -172,6 +172,49 @@ def test_routing_budget_and_experts_in_one_graph():
     assert torch.equal(out, want)
 
 
+def test_layers_chained_in_one_graph_equal_plain_launches(monkeypatch, launches):
+    """Four MoE layers chained in one CUDA graph, each routed by route_experts on the previous layer's
+    output (the routing kernel writes the ids right before the experts read them; the allocator reuses
+    the layers' ids, weights and workspace memory), replayed on new inputs: the bits of the same chain
+    launched eagerly as four plain launches a layer (programmatic dependent launch off). Guards the
+    programmatic-dependent reads (the down kernel finds its expert before its wait) against stale
+    data across layers and replays."""
+    from moespec.ops import RouterSpec, route_experts
+
+    T, H, I, E, K, L = 8, 256, 64, 64, 8, 4
+    gen = torch.Generator().manual_seed(12)
+    routers = [(torch.randn(E, H, generator=gen) * 0.2).to(torch.bfloat16).to(CUDA) for _ in range(L)]
+    experts = [(torch.randn(E, 3 * I * H, generator=gen) / H**0.5).to(torch.bfloat16).to(CUDA) for _ in range(L)]
+    spec = RouterSpec("softmax", K, True)
+
+    def chain(x):
+        for router, ex in zip(routers, experts):
+            r = route_experts(torch.nn.functional.linear(x, router), spec)
+            x = moe_experts(x, r.ids, r.weights, ex, I, round_weights=True) + x
+        return x
+
+    inputs = [torch.randn(T, H, generator=gen).to(torch.bfloat16).to(CUDA) for _ in range(3)]
+    static_x = inputs[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static_x)
+    got = []
+    for x in inputs:
+        static_x.copy_(x)
+        graph.replay()
+        got.append(out.clone())
+    torch.cuda.synchronize()
+    monkeypatch.setenv("MOESPEC_MOE_FUSED", "0")
+    monkeypatch.setenv("MOESPEC_PDL", "0")
+    for x, g in zip(inputs, got):
+        assert torch.equal(g, chain(x)), launches
+
+
 @pytest.mark.parametrize("T,H,I,E,K", [(1, 256, 96, 128, 8), (7, 512, 64, 64, 8), (16, 2048, 768, 128, 8),
                                        (40, 128, 64, 8, 2), (128, 64, 32, 256, 8), (129, 64, 32, 256, 8)])
 def test_fused_pair_gives_the_four_launches_bits(T, H, I, E, K, monkeypatch, launches):
