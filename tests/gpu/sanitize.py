@@ -29,7 +29,7 @@ CASES = {  # test file -> -k expression: a few small cases reaching every kernel
                                           "128-True-num3 or with_spans)",
     "tests/gpu/test_linear_cuda.py": "2048-5120 or 64-8200 or 2048-128 or test_rows_do_not_depend",
     "tests/gpu/test_route_experts_cuda.py": "test_both_launch_paths_at_verify_sizes",
-    "tests/gpu/test_draft_tree_cuda.py": "1-fused or 2-fused or 10-fused or (bad_value and fused)",
+    "tests/gpu/test_draft_tree_cuda.py": "[1-fused] or [2-fused] or [10-fused] or (bad_value and fused)",
 }
 UNAVAILABLE = ("Device not supported", "Target application terminated before first instrumented API call")
 
