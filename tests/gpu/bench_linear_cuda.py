@@ -8,14 +8,13 @@ dependent launch off (MOESPEC_PDL=0: "plain_us"). Writes $OUT/linear_bench.json 
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
 
 import torch
 import torch.nn.functional as F
-from gpu_common import copy_bandwidth, graph_seconds
+from gpu_common import copy_bandwidth, graph_seconds, results_saver
 
 from moespec.ops.linear import linear
 
@@ -50,6 +49,8 @@ def main() -> int:
     copy = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}: device copy {copy:.0f} GB/s (read + write)")
     rows = []
+    save = results_saver({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows},
+                         "linear_bench.json")  # (after every row)
     for name, (N, K) in SHAPES.items():
         nbytes = N * K * 2
         copies = max(1, min(CALLS, -(-L2_CLEAR // nbytes)))
@@ -75,14 +76,10 @@ def main() -> int:
             print(f"{name:24s} T={T:3d}: {t * 1e6:8.1f} us {bw:7.0f} GB/s ({100 * bw / copy:5.1f}% of copy)  "
                   f"torch {ref * 1e6:8.1f} us ({100 * torch_bw / copy:5.1f}%, {ref / t:5.2f}x)  "
                   f"no PDL {plain * 1e6:8.1f} us")
+            save()
         del weights
-    out = os.environ.get("OUT")
-    if out:
-        path = pathlib.Path(out) / "linear_bench.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows}, indent=1))
-        tmp.replace(path)
-        print(f"wrote {path}")
+    if save():
+        print(f"wrote {pathlib.Path(os.environ['OUT']) / 'linear_bench.json'}")
     return 0
 
 

@@ -12,14 +12,13 @@ the copy bandwidth, >= 1.5x the best torch path, R^2 >= 0.98.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
 
 import torch
 import torch.nn.functional as F
-from gpu_common import copy_bandwidth, event_seconds, graph_seconds
+from gpu_common import copy_bandwidth, event_seconds, graph_seconds, results_saver
 
 from moespec.ops import moe_experts
 
@@ -72,6 +71,8 @@ def main() -> int:
     copy = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}: device copy {copy:.0f} GB/s (read + write)")
     rows = []
+    save = results_saver({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows},
+                         "moe_experts_bench.json")  # (after every row)
     grouped = hasattr(torch, "_grouped_mm")
     for name, (H, I, E, K) in SHAPES.items():
         experts = (torch.randn(E, 3 * I * H, device=CUDA, dtype=torch.bfloat16) / H**0.5)
@@ -104,6 +105,7 @@ def main() -> int:
                 print(f"{name:14s} T={T:3d} active={active:4d}: {t * 1e6:8.1f} us  {bw:7.0f} GB/s "
                       f"({100 * bw / copy:5.1f}% of copy)  torch {best_torch * 1e6:8.1f} us ({best_torch / t:5.2f}x)  "
                       f"plain {plain * 1e6:7.1f} us  four launches {four * 1e6:7.1f} us")
+                save()
             if len(times) >= 3:
                 a = torch.tensor([p[0] for p in times], dtype=torch.float64)
                 y = torch.tensor([p[1] for p in times], dtype=torch.float64)
@@ -113,12 +115,8 @@ def main() -> int:
                 print(f"{name:14s} T={T:3d} linear in active experts: R^2 = {r2:.4f}")
                 rows.append({"shape": name, "T": T, "r2": r2})
     rows += prefill_crossover()
-    out = os.environ.get("OUT")
-    if out:
-        path = pathlib.Path(out) / "moe_experts_bench.json"
-        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows},
-                                   indent=1))
-        print(f"wrote {path}")
+    if save():
+        print(f"wrote {pathlib.Path(os.environ['OUT']) / 'moe_experts_bench.json'}")
     return 0
 
 

@@ -19,14 +19,13 @@ moespec's linear kernel (MOESPEC_CUDA_LINEAR=0).
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
 import time
 
 import torch
-from gpu_common import event_seconds, graph_seconds
+from gpu_common import event_seconds, graph_seconds, results_saver
 
 from moespec.models import TargetModel
 from moespec.models.config import ModelConfig, MoeConfig, RopeConfig
@@ -201,7 +200,7 @@ def main() -> int:
           f"{dense / 1e6:.0f} MB, {expert_bytes / 1e6:.1f} MB per expert")
     rows = []
     results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows}
-    save = partial_saver(results)  # (after every row: a step stopped by its time limit keeps what ran)
+    save = results_saver(results, "runtime_bench.json")  # (after every row)
     for T in (1, 2, 4, 8, 16, 32, 64):
         for B in (None, 16, 32, 64):
             if B is not None and T * K <= B:
@@ -289,21 +288,6 @@ def main() -> int:
     if save():
         print(f"wrote {pathlib.Path(os.environ['OUT']) / 'runtime_bench.json'}")
     return 0
-
-
-def partial_saver(results: dict):
-    """A function that writes ``results`` to $OUT/runtime_bench.json atomically (when OUT is set;
-    returns whether it wrote)."""
-    def save() -> bool:
-        out = os.environ.get("OUT")
-        if not out:
-            return False
-        path = pathlib.Path(out) / "runtime_bench.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1))
-        tmp.replace(path)
-        return True
-    return save
 
 
 if __name__ == "__main__":

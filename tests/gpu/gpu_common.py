@@ -1,9 +1,11 @@
 """What the GPU tests and timing scripts share: the source tree on sys.path, the module-level skip
-without a CUDA device or a CUDA build, CUDA-event / CUDA-graph timing (medians) and the device
-copy bandwidth the timings are held to."""
+without a CUDA device or a CUDA build, CUDA-event / CUDA-graph timing (medians), the device
+copy bandwidth the timings are held to, and the timings' JSON written as they grow."""
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import sys
 
@@ -67,3 +69,19 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     t = min(event_seconds(lambda: dst.copy_(src)), graph_seconds(lambda: dst.copy_(src), calls=5))
     return 2 * nbytes / t / 1e9
+
+
+def results_saver(results: dict, name: str):
+    """A function that writes ``results`` to $OUT/``name`` atomically (when OUT is set; returns whether
+    it wrote): a timing script calls it after every row, so that one stopped by its time limit still
+    brings back what ran."""
+    def save() -> bool:
+        out = os.environ.get("OUT")
+        if not out:
+            return False
+        path = pathlib.Path(out) / name
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        tmp.replace(path)
+        return True
+    return save
