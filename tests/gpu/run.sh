@@ -67,7 +67,8 @@ step() {  # step <name> <log file> <seconds> <command...>: runs it (stopped afte
 }
 # The paths measured on 2026-12-04, each newer piece switched off (README "On CUDA"): a timing that
 # fails on the defaults runs once more this way, so that one broken kernel still leaves the tables.
-FALLBACK=(MOESPEC_PDL=0 MOESPEC_MOE_FUSED=0 MOESPEC_FUSED_STEP=0 MOESPEC_ROUTE_FUSED=0 MOESPEC_CUDA_LINEAR=0)
+FALLBACK=(MOESPEC_PDL=0 MOESPEC_MOE_FUSED=0 MOESPEC_FUSED_STEP=0 MOESPEC_ROUTE_FUSED=0 MOESPEC_CUDA_LINEAR=0
+          MOESPEC_TREE_FUSED=0)
 timing() {  # timing <name> <log file> <seconds> <script> [<its JSON in $LOGS>]
   step "timing: $1" "$2" "$3" env PYTHONPATH=python "$PY" "$4"
   if (( ok == 0 )); then
