@@ -456,8 +456,8 @@ std::size_t tree_attention_workspace_size(int64_t P, int64_t groups, int64_t num
 void rms_norm(const RmsNormArgs& a, void* stream) {
   validate_rms_norm(a);
   check_cuda_args(a.x, "x", "rms_norm");
-  DeviceGuard guard(a.x.device_index);
   if (a.x.shape[0] == 0) return;
+  DeviceGuard guard(a.x.device_index);
   launch_by_dtype(a.x.dtype, [&](auto element) {
     launch_rms_norm<decltype(element)>(a, static_cast<cudaStream_t>(stream));
   });
@@ -466,8 +466,8 @@ void rms_norm(const RmsNormArgs& a, void* stream) {
 void attention_inputs(const AttentionInputsArgs& a, void* stream) {
   validate_attention_inputs(a);
   check_cuda_args(a.qkv, "qkv", "attention_inputs");
-  DeviceGuard guard(a.qkv.device_index);
   if (a.qkv.shape[0] == 0) return;
+  DeviceGuard guard(a.qkv.device_index);
   launch_by_dtype(a.qkv.dtype, [&](auto element) {
     launch_attention_inputs<decltype(element)>(a, static_cast<cudaStream_t>(stream));
   });
@@ -476,13 +476,13 @@ void attention_inputs(const AttentionInputsArgs& a, void* stream) {
 void tree_attention(const TreeAttentionArgs& a, void* workspace, std::size_t workspace_bytes, void* stream) {
   validate_tree_attention(a);
   check_cuda_args(a.q, "q", "tree_attention");
-  DeviceGuard guard(a.q.device_index);
   const int64_t P = a.q.shape[0], G = a.groups.shape[0], Hq = a.q.shape[1], D = a.q.shape[2];
   const std::size_t need = tree_attention_workspace_size(P, G, Hq, D, a.k_cache.shape[2]);
   MOESPEC_CHECK_ARG(need == 0 || (workspace != nullptr && workspace_bytes >= need), "workspace", "needs ", need,
                     " bytes (tree_attention_workspace_size), got ", workspace_bytes);
   MOESPEC_CHECK_ARG(G <= 65535, "groups", "at most 65535 groups a call, got ", G);
   if (P == 0 || G == 0) return;
+  DeviceGuard guard(a.q.device_index);
   launch_by_dtype(a.q.dtype, [&](auto element) {
     launch_tree_attention<decltype(element)>(a, static_cast<float*>(workspace), static_cast<cudaStream_t>(stream));
   });

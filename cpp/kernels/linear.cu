@@ -94,7 +94,6 @@ void linear(const LinearArgs& a, void* stream) {
   validate_linear(a);
   MOESPEC_CHECK_ARG(a.x.device == Device::kCUDA, "x", "moespec::cuda::linear needs CUDA tensors, got ",
                     a.x.describe());
-  DeviceGuard guard(a.x.device_index);
   MOESPEC_CHECK_ARG(a.x.dtype == DType::kBFloat16, "x", "the CUDA kernel takes bfloat16 (torch's GEMM the rest), got ",
                     a.x.describe());
   const int64_t T = a.x.shape[0], K = a.x.shape[1], N = a.weight.shape[0];
@@ -105,6 +104,7 @@ void linear(const LinearArgs& a, void* stream) {
                     a.x.describe(), " with row stride ", ldx);
   MOESPEC_CHECK_ARG(aligned16(a.weight.data), "weight", "the CUDA kernel needs a 16-byte aligned weight, got ",
                     a.weight.describe());
+  DeviceGuard guard(a.x.device_index);  // (after the argument checks: they need no device)
   MOESPEC_CHECK_ARG(device_major() >= 8, "x", "the CUDA kernel needs sm_80 or newer (bf16 tensor cores)");
   if (T == 0) return;
   MOESPEC_CHECK_ARG(T <= INT32_MAX, "x", "too many tokens: ", T);

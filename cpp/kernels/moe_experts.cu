@@ -727,7 +727,6 @@ void moe_experts(const MoeExpertsArgs& a, void* workspace, std::size_t workspace
   validate_moe_experts(a);
   MOESPEC_CHECK_ARG(a.x.device == Device::kCUDA, "x", "moespec::cuda::moe_experts needs CUDA tensors, got ",
                     a.x.describe());
-  DeviceGuard guard(a.x.device_index);
   const int64_t T = a.x.shape[0], H = a.x.shape[1], K = a.ids.shape[1], E = a.experts.shape[0];
   const int64_t I = a.intermediate_size;
   MOESPEC_CHECK_ARG(E <= kMaxMoeExperts, "experts", "the CUDA kernel groups at most ", kMaxMoeExperts,
@@ -737,6 +736,7 @@ void moe_experts(const MoeExpertsArgs& a, void* workspace, std::size_t workspace
   MOESPEC_CHECK_ARG(workspace != nullptr && workspace_bytes >= need && aligned16(workspace), "workspace",
                     "needs ", need, " bytes (moe_experts_workspace_size), 16-byte aligned, got ", workspace_bytes);
   if (T == 0) return;
+  DeviceGuard guard(a.x.device_index);
   Workspace w{};
   carve(workspace, T, K, E, H, I, dtype_size(a.x.dtype), &w);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
