@@ -46,9 +46,10 @@ def event_seconds(fn, repeats: int = 9) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graph_seconds(fn, calls: int = 20, replays: int = 5) -> float:
-    """Seconds per call of ``fn`` captured ``calls`` times in one CUDA graph (median replay; warmed up
-    on a side stream first, as capture needs)."""
+def captured(fn, calls: int = 1):
+    """(graph, what the last captured call returned): ``fn`` called twice on a side stream (warm-up,
+    as capture needs: the allocator's pools, lazy initialisations), then ``calls`` times captured in
+    one CUDA graph (not replayed yet)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -58,7 +59,13 @@ def graph_seconds(fn, calls: int = 20, replays: int = 5) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            out = fn()
+    return graph, out
+
+
+def graph_seconds(fn, calls: int = 20, replays: int = 5) -> float:
+    """Seconds per call of ``fn`` captured ``calls`` times in one CUDA graph (median replay)."""
+    graph, _ = captured(fn, calls)
     return event_seconds(graph.replay, replays) / calls
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_common import require_cuda_build
+from gpu_common import captured, require_cuda_build
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,14 +101,7 @@ def test_graph_replay_equals_eager():
     x, w = x.to(CUDA), w.to(CUDA)
     eager = linear(x, w)
     static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        linear(static_x, w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear(static_x, w)
+    graph, out = captured(lambda: linear(static_x, w))
     static_x.copy_(x * 2)
     graph.replay()
     torch.cuda.synchronize()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_common import require_cuda_build
+from gpu_common import captured, require_cuda_build
 
 require_cuda_build()
 
@@ -122,14 +122,7 @@ def test_deterministic_and_graph_replay_equals_eager():
     first = moe_experts(x, ids, weights, experts, I)
     assert torch.equal(first, moe_experts(x, ids, weights, experts, I))
     static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside capture (allocator)
-        moe_experts(static_x, ids, weights, experts, I)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_experts(static_x, ids, weights, experts, I)
+    graph, out = captured(lambda: moe_experts(static_x, ids, weights, experts, I))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, first)
@@ -159,14 +152,7 @@ def test_routing_budget_and_experts_in_one_graph():
     want, ids = layer(x)
     assert ids[ids < E].unique().numel() <= B
     static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, _ = layer(static_x)
+    graph, (out, _) = captured(lambda: layer(static_x))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
@@ -195,14 +181,7 @@ def test_layers_chained_in_one_graph_equal_plain_launches(monkeypatch, launches)
 
     inputs = [torch.randn(T, H, generator=gen).to(torch.bfloat16).to(CUDA) for _ in range(3)]
     static_x = inputs[0].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(static_x)
+    graph, out = captured(lambda: chain(static_x))
     got = []
     for x in inputs:
         static_x.copy_(x)

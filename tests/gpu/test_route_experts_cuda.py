@@ -19,7 +19,7 @@ import functools
 
 import pytest
 import torch
-from gpu_common import require_cuda_build
+from gpu_common import captured, require_cuda_build
 
 require_cuda_build()
 
@@ -267,15 +267,7 @@ def test_cuda_graph_capture_and_replay(family):
     bias = make_bias(N, SEED) if spec.family == "deepseek_v3" else None
     static_logits = make_logits(T, N, torch.bfloat16, SEED).to(CUDA)  # [T, N]
     static_bias = on_cuda(bias)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs advises
-        for _ in range(2):
-            route_experts(static_logits, spec, budget, static_bias)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = route_experts(static_logits, spec, budget, static_bias)
+    graph, out = captured(lambda: route_experts(static_logits, spec, budget, static_bias))
     for seed in range(SEED + 1, SEED + 6):
         logits = make_logits(T, N, torch.bfloat16, seed)
         static_logits.copy_(logits)

@@ -17,11 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#define MOESPEC_HD __host__ __device__ __forceinline__
-#else
-#define MOESPEC_HD inline
-#endif
+#include "moespec/detail/host_device.h"
 
 namespace moespec {
 namespace detail {
