@@ -179,7 +179,8 @@ class TargetModel:
 
     @torch.inference_mode()
     def verify_trees(self, cache: KVCache, trees: Sequence[Optional["DraftTree"]], *,
-                     budget: Optional[ExpertBudget] = None, read_back: bool = True) -> ForwardOutput:
+                     budget: Optional[ExpertBudget] = None, read_back: bool = True,
+                     borrow: bool = False) -> ForwardOutput:
         """:meth:`verify` of one :class:`moespec.spec.tree.DraftTree` per request (None: no tokens for
         that request), from the trees' own tensors: their packed ancestor masks and depths go to the
         forward as they are (the contract guarantees the structure; token ids and the cache's room
@@ -189,7 +190,11 @@ class TargetModel:
         raises its deferred round's recorded problems before it commits): the trees' tokens and
         parents are not copied to the host here (no synchronisation; commit reads the parents back
         unless the acceptance did, :func:`moespec.spec.tree.host_lists`), and their token ids are
-        clamped into the vocabulary on the device instead of checked."""
+        clamped into the vocabulary on the device instead of checked.
+
+        ``borrow=True`` (a caller done with the logits and taps before its next forward call: eagle3's
+        step): on the graphs backend they may be views of a CUDA graph's static buffers, valid until
+        the next call of the same shape, instead of copies."""
         from moespec.runtime.state import tree_geometry
         from moespec.spec.tree import HostLists, host_lists
 
@@ -211,7 +216,7 @@ class TargetModel:
             raise ValueError("verify_trees: no tokens to run")
         seqs, parents = HostLists(trees, 0), HostLists(trees, 1)  # (read only where a backend needs the lists)
         geo = tree_geometry(trees, cache.lengths, vocab=None if read_back else V)
-        out = self.backend.forward(cache, seqs, parents, budget, last_only=False, geo=geo)
+        out = self.backend.forward(cache, seqs, parents, budget, last_only=False, geo=geo, borrow=borrow)
         self._observe("verify", cache, seqs, parents, out)
         cache.pending = PendingTree(parents)
         return out

@@ -113,7 +113,8 @@ class ReferenceBackend:
         self.model = model
 
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
-                budget: Optional[ExpertBudget], last_only: bool, geo: Optional[StepGeometry] = None) -> ForwardOutput:
+                budget: Optional[ExpertBudget], last_only: bool, geo: Optional[StepGeometry] = None,
+                borrow: bool = False) -> ForwardOutput:
         return self._forward(cache, self._batch(cache, seqs, parents), budget, last_only)  # (pads; geo unused)
 
     def _batch(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]]) -> _Batch:
@@ -250,7 +251,8 @@ class NativeBackend:
         self._num_moe = len(c.moe_layers)
 
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
-                budget: Optional[ExpertBudget], last_only: bool, geo: Optional[StepGeometry] = None) -> ForwardOutput:
+                budget: Optional[ExpertBudget], last_only: bool, geo: Optional[StepGeometry] = None,
+                borrow: bool = False) -> ForwardOutput:
         num = new_tokens(seqs, geo)
         P = sum(num)
         if P > NATIVE_MAX_TOKENS:

@@ -52,6 +52,8 @@ MAX_BUCKETS = 32  # buckets held per model (each holds a graph and its static bu
 class StaticStep:
     """One bucket: static inputs over one cache, the forward on them, and its graph (on CUDA)."""
 
+    capture_on = ("cuda",)  # device types whose steps are captured (the CPU tests add "cpu" with a fake graph)
+
     def __init__(self, reference: "ReferenceBackend", cache: KVCache, batch: int, tokens: int,
                  budget: Optional[ExpertBudget], pool=None, fused: Optional[FusedForward] = None):
         from moespec.runtime.backend import _Batch
@@ -122,7 +124,7 @@ class StaticStep:
             self.graph.replay()
             return self.out
         out = self._forward()
-        if self.batch.tokens.is_cuda:
+        if self.batch.tokens.device.type in self.capture_on:
             self._capture()
         return out
 
@@ -189,7 +191,10 @@ class GraphBackend:
             del self.steps[next(iter(self.steps))]
 
     def forward(self, cache: KVCache, seqs: list[list[int]], parents: Optional[list[list[int]]],
-                budget: Optional[ExpertBudget], last_only: bool, geo=None) -> "ForwardOutput":
+                budget: Optional[ExpertBudget], last_only: bool, geo=None, borrow: bool = False) -> "ForwardOutput":
+        """``borrow``: a bucket's logits and taps are returned as views of its static buffers (valid until
+        the bucket's next call), not copied out (a verify's logits [B, T, V]: 78 MB at B = 8, T = 32 and
+        a 152k vocabulary); the expert stats are copied either way."""
         from moespec.runtime.backend import ForwardOutput
 
         num = new_tokens(seqs, geo)
@@ -207,5 +212,6 @@ class GraphBackend:
         step.load(geo if geo is not None else step_geometry(seqs, cache.lengths, parents), list(cache.lengths))
         out = step.run()
         logits = out.logits[:, -1] if last_only else out.logits  # every request has T tokens
-        return ForwardOutput(logits=logits.clone(), hidden=tuple(h.clone() for h in out.hidden),
+        copy = (lambda t: t) if borrow else torch.clone
+        return ForwardOutput(logits=copy(logits), hidden=tuple(copy(h) for h in out.hidden),
                              expert_stats=out.expert_stats.clone(), num_tokens=num, routing=None)

@@ -184,7 +184,7 @@ class Eagle3Policy:
         trees, flags = self._draft(run, [r.last if a else 0 for r, a in zip(batch, active)], active, deferred=True)
         verify_start = time.perf_counter()
         out = self.target.verify_trees(run.cache, [t if a else None for t, a in zip(trees, active)],
-                                       budget=self.budget, read_back=flags is None)
+                                       budget=self.budget, read_back=flags is None, borrow=True)
         verify_s = time.perf_counter() - verify_start
         run.last_expert_stats = out.expert_stats
         run.last_predicted_unique = None if self.selector is None else self.selector.predicted_unique
