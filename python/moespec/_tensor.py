@@ -54,3 +54,14 @@ def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     # (a caller's tensor that is pinned already is copied first: the caller may write it again before
     # the DMA has read it)
     return (t.clone() if t.is_pinned() else t).pin_memory().to(device, non_blocking=True)
+
+
+def copy_from_host(dest: torch.Tensor, data) -> torch.Tensor:
+    """Writes ``data`` (host values: a list, or a CPU tensor of dest's shape) into ``dest`` in one copy
+    and without a stream synchronisation: on CUDA one DMA straight from pinned memory into ``dest``
+    (no device temporary, no device-to-device copy; torch's pinned-memory cache keeps the block until
+    the DMA has read it), elsewhere a plain copy. Returns ``dest``."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dest.dtype)
+    if dest.device.type != "cuda" or t.device.type != "cpu":
+        return dest.copy_(t)
+    return dest.copy_((t.clone() if t.is_pinned() else t).pin_memory(), non_blocking=True)

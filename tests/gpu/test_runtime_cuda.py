@@ -172,12 +172,12 @@ def test_graphs_over_a_short_cache_survive_a_longer_one(folder):
 
 @pytest.mark.parametrize("draft_graphs,sampled", [("0", False), ("1", False), ("1", True)])
 def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, draft_graphs, sampled, monkeypatch):
-    """Eagle3 on CUDA (graphs backend, the torch tree core, the head's torch path; greedy, or one request
+    """Eagle3 on CUDA (graphs backend, the device's tree core, the head's torch path; greedy, or one request
     sampled) synchronises with the host once a step: the acceptance's copy back (the argmax choices,
     the sampled tree's token probabilities and bonus draws, the trees' tokens and parents, the draft
     round's problem flags; three copies a step until 2026-12-06: the finalize's tree shapes and the
     verify's tree tokens besides, and two more for a sampled request). Host values go to the device
-    through pinned memory (moespec._tensor.to_device) and the head writes its cache without nonzero:
+    through pinned memory (moespec._tensor.to_device, copy_from_host) and the head writes its cache without nonzero:
     torch's sync debug mode counts every other synchronisation (tests/python/test_graphs.py counts
     the host reads of the same paths on the CPU)."""
     import warnings

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from moespec._tensor import to_device
+from moespec._tensor import copy_from_host, to_device
 from moespec.models.cache import KVCache
 from moespec.ops import ExpertBudget
 from moespec.ops.decoder import attention_groups, visible_slots
@@ -98,7 +98,7 @@ class StaticStep:
             self.packed = torch.empty(host.numel(), dtype=torch.long, device=self.batch.tokens.device)
             B, T = self.batch.tokens.shape
             self.mask_words = torch.empty(B, T, self.words, dtype=torch.int32, device=self.packed.device)
-        self.packed.copy_(to_device(host, self.packed.device))
+        copy_from_host(self.packed, host)
 
     def _unpack(self) -> torch.Tensor:
         """tokens, positions, the cache slots and the mask rows (the fused forward's int32 words, or

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from moespec._tensor import to_device
+from moespec._tensor import copy_from_host, to_device
 from moespec.runtime.graphs import capture
 
 if TYPE_CHECKING:
@@ -58,8 +58,8 @@ class StaticDraftRound:
             raise ValueError("StaticDraftRound: needs the torch tree core (the native core finalizes on the host)")
         self.policy, self.builder, self.dc = policy, builder, dc
         B, dev, head = builder.batch, builder.device, policy.head
-        self.roots = torch.zeros(B, dtype=torch.long, device=dev)  # [B] each request's last accepted token
-        self.lengths = torch.zeros(B, dtype=torch.long, device=dev)  # [B] its accepted draft entries
+        self.inputs = torch.zeros(2, B, dtype=torch.long, device=dev)  # (both in one copy a round)
+        self.roots, self.lengths = self.inputs  # [B] each request's last accepted token, its accepted draft entries
         self.logits = torch.zeros(B, head.config.draft_vocab_size, dtype=torch.float32, device=dev)  # [B, Vd]
         self.hidden = torch.zeros(B, head.config.hidden_size, dtype=head.dtype, device=dev)  # [B, H]
         self.graph = None
@@ -70,8 +70,7 @@ class StaticDraftRound:
         round), and the round's problem flags on the device
         (:meth:`moespec.spec.tree.TreeBuilder.deferred_trees`)."""
         dev = self.roots.device
-        self.roots.copy_(to_device(roots, dev, torch.long))
-        self.lengths.copy_(to_device(self.dc.lengths, dev, torch.long))
+        copy_from_host(self.inputs, [list(roots), list(self.dc.lengths)])
         self.logits.copy_(draft_logits)
         self.hidden.copy_(draft_hidden)
         if self.graph is not None:
@@ -144,8 +143,7 @@ class StaticCatchUp:
         Appends the entries' K/V at the cache's lengths (the caller advances them)."""
         B, T = self.features[0].shape[:2]
         host = [t + [0] * (T - len(t)) for t in tokens] + [list(range(len(t))) + [-1] * (T - len(t)) for t in tokens]
-        self.packed.copy_(to_device([v for row in host for v in row] + list(self.dc.lengths), self.packed.device,
-                                    torch.long))
+        copy_from_host(self.packed, [v for row in host for v in row] + list(self.dc.lengths))
         if isinstance(features, PathFeatures):
             features.into(self.features)
         else:
