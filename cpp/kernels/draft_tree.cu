@@ -55,7 +55,6 @@ void draft_tree_expand(const DraftExpandArgs& a, void* stream) {
 void draft_tree_finalize(const DraftFinalizeArgs& a, void* stream) {
   const int64_t B = check_draft_tree_finalize(a, Device::kCUDA);
   if (B == 0) return;
-  MOESPEC_CHECK_ARG(B <= 65535, "score", "at most 65535 requests, got ", a.score.describe());
   DeviceGuard guard(a.score.device_index);
   const FinalizeStrides s{a.score.strides[0],  a.cand_parent.strides[0], a.cand_tokens.strides[0],
                           a.scratch.shape[1],  a.tokens.strides[0],      a.parents.strides[0],

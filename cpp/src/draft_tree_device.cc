@@ -10,12 +10,20 @@
 namespace moespec {
 namespace {
 
-// `v` has these dims and dtype on `device` (the first view's index), its last dim contiguous.
+// `v` has these dims and dtype on `device` (the first view's index), its last dim contiguous and its
+// rows apart (each dim's stride at least the extent of the dims after it: the kernels' threads and
+// blocks write rows of their own).
 void check_rows(const TensorView& v, const char* name, DType dtype, std::initializer_list<int64_t> dims, Device device,
                 int32_t index) {
   check_view(v, name, {dtype}, dims, device, index);
   MOESPEC_CHECK_ARG(v.strides[v.ndim - 1] == 1 || v.shape[v.ndim - 1] <= 1, name,
                     "expected its last dim contiguous, got ", v.describe());
+  int64_t span = 1;  // elements from the first to the last of one index of dim d (1 + its inner offsets)
+  for (int d = v.ndim - 1; d >= 1; --d) {
+    span += (v.shape[d] - 1) * v.strides[d];
+    MOESPEC_CHECK_ARG(v.shape[d - 1] <= 1 || v.strides[d - 1] >= span, name, "expected rows that do not overlap, got ",
+                      v.describe(), " with stride ", v.strides[d - 1], " in dim ", d - 1);
+  }
 }
 
 void check_packed(const TensorView& v, const char* name, DType dtype, std::initializer_list<int64_t> dims,
@@ -101,8 +109,8 @@ int64_t check_draft_tree_finalize(const DraftFinalizeArgs& a, Device device) {
   check_packed(a.num_leaves, "num_leaves", DType::kInt32, {B}, device, dev);
   check_packed(a.max_depth, "max_depth", DType::kInt32, {B}, device, dev);
   check_not_null(a.scratch, "scratch");
-  MOESPEC_CHECK_ARG(a.scratch.ndim == 2 && a.scratch.shape[1] >= 2 * C + 4 * N, "scratch", "expected [B, >= 2 C + 4 N = ",
-                    2 * C + 4 * N, "], got ", a.scratch.describe());
+  MOESPEC_CHECK_ARG(a.scratch.ndim == 2 && a.scratch.shape[1] >= 2 * C + 6 * N, "scratch", "expected [B, >= 2 C + 6 N = ",
+                    2 * C + 6 * N, "], got ", a.scratch.describe());
   check_packed(a.scratch, "scratch", DType::kInt32, {B, a.scratch.shape[1]}, device, dev);
   return B;
 }

@@ -406,14 +406,16 @@ def test_the_tree_kernels_name_a_bad_argument():
                             (dict(score=torch.zeros(B, 2, **f32)), "^score: expected room for 3 candidates"),
                             (dict(cand_parent=torch.zeros(B, S, **i64)), "^cand_parent: "),
                             (dict(ok=torch.zeros(2, dtype=torch.uint8)), r"^ok: expected \[F\], F >= 3"),
-                            (dict(out_scores=torch.zeros(B, K, **f32).t().contiguous().t()), "^out_scores: ")]:
+                            (dict(out_scores=torch.zeros(B, K, **f32).t().contiguous().t()), "^out_scores: "),
+                            (dict(score=torch.zeros(1, S, **f32).expand(B, S)), "^score: expected rows that do not overlap"),
+                            (dict(cand_tokens=torch.zeros(B, 2 * S, **i64)[:, :S]), "^cand_tokens: expected the candidate")]:
         with pytest.raises(ValueError, match=message):
             expand(**change)
     with pytest.raises(ValueError, match="^base: expected K <= base <= S - K\\^2"):
         expand(base=2, roots=None, tokens=torch.zeros(B, K * K, **i64), logprobs=torch.zeros(B, K * K, **f32))
     N = 4
     out = dict(score=args["score"], cand_parent=args["cand_parent"], cand_tokens=args["cand_tokens"],
-               root=args["root"], scratch=torch.zeros(B, 2 * S + 4 * N, **i32), tokens=torch.zeros(B, N, **i64),
+               root=args["root"], scratch=torch.zeros(B, 2 * S + 6 * N, **i32), tokens=torch.zeros(B, N, **i64),
                parents=torch.zeros(B, N, **i32), depth=torch.zeros(B, N, **i32), scores=torch.zeros(B, N, **f32),
                candidates=torch.zeros(B, N, **i32), mask=torch.zeros(B, N, 1, **i32),
                paths=torch.zeros(B, N - 1, 3, **i32), num_leaves=torch.zeros(B, **i32),
@@ -425,9 +427,11 @@ def test_the_tree_kernels_name_a_bad_argument():
     finalize()
     for change, message in [(dict(C=0), r"^num_candidates: expected an int in \[1, 12\]"),
                             (dict(C=13), "^num_candidates: "),
-                            (dict(scratch=torch.zeros(B, 10, **i32)), r"^scratch: expected \[B, >= 2 C \+ 4 N"),
+                            (dict(scratch=torch.zeros(B, 10, **i32)), r"^scratch: expected \[B, >= 2 C \+ 6 N"),
                             (dict(mask=torch.zeros(B, N, 2, **i32)), "^mask: "),
                             (dict(paths=torch.zeros(B, N - 1, 2, **i32)), "^paths: "),
-                            (dict(tokens=torch.zeros(B, 14, **i64)), r"^tokens: expected N in \[2, C \+ 1")]:
+                            (dict(tokens=torch.zeros(B, 14, **i64)), r"^tokens: expected N in \[2, C \+ 1"),
+                            (dict(mask=torch.zeros(B, N, 2, **i32)[:, :, :1].expand(B, N, 1).as_strided((B, N, 1), (N, 0, 1))),
+                             "^mask: expected rows that do not overlap")]:
         with pytest.raises(ValueError, match=message):
             finalize(**change)

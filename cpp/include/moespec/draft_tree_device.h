@@ -55,7 +55,7 @@ struct DraftFinalizeArgs {
   TensorView cand_parent;  // int32 [B, S]
   TensorView cand_tokens;  // int64 [B, S]
   TensorView root;         // int64 [B]
-  TensorView scratch;      // int32 [B, >= 2 C + 4 N], contiguous
+  TensorView scratch;      // int32 [B, >= 2 C + 6 N], contiguous
   TensorView tokens;       // int64 [B, N], rows contiguous (any row stride; as every output)
   TensorView parents;      // int32 [B, N]
   TensorView depth;        // int32 [B, N]

@@ -51,7 +51,7 @@ def draft_tree_finalize(score: torch.Tensor, cand_parent: torch.Tensor, cand_tok
                         paths: torch.Tensor, num_leaves: torch.Tensor, max_depth: torch.Tensor, num_candidates: int,
                         top_k: int) -> None:
     """The trees of the best N - 1 of the first ``num_candidates`` candidates (N = tokens.shape[1]),
-    written into the DraftTreeViews-shaped outputs (scratch int32 [B, >= 2 C + 4 N])."""
+    written into the DraftTreeViews-shaped outputs (scratch int32 [B, >= 2 C + 6 N])."""
     native().draft_tree_finalize(
         view(score, "score"), view(cand_parent, "cand_parent"), view(cand_tokens, "cand_tokens"), view(root, "root"),
         view(scratch, "scratch"), view(tokens, "tokens"), view(parents, "parents"), view(depth, "depth"),

@@ -84,7 +84,7 @@ class TorchTreeCore:
         n = native()
         self.kernels = kernels and top_k <= n.kMaxFusedTreeTopK and C <= n.kMaxFusedTreeCandidates
         if self.kernels:
-            self._scratch = torch.empty(B, 2 * C + 4 * self.max_nodes, dtype=torch.int32, **kw)
+            self._scratch = torch.empty(B, 2 * C + 6 * self.max_nodes, dtype=torch.int32, **kw)
             self._spare_flags = torch.empty(4, dtype=torch.uint8, **kw)  # (a level's flags where checked at the call)
 
     # -- sizes -------------------------------------------------------------------------------------

@@ -50,6 +50,13 @@ struct DeviceBlock {
     return v;
 #endif
   }
+  MOESPEC_HD void add(int32_t* p, int32_t v) const {  // (integer: the sum does not depend on the order)
+#ifdef __CUDA_ARCH__
+    atomicAdd(p, v);
+#else
+    *p += v;
+#endif
+  }
 };
 
 // The CPU's block: one thread.
@@ -58,6 +65,7 @@ struct HostBlock {
   MOESPEC_HD int threads() const { return 1; }
   MOESPEC_HD void sync() const {}
   MOESPEC_HD bool all(bool v) const { return v; }
+  MOESPEC_HD void add(int32_t* p, int32_t v) const { *p += v; }
 };
 
 // Whether candidate (a, ia) ranks before (b, ib): score desc, index asc (index order is depth order);
@@ -118,7 +126,8 @@ MOESPEC_HD void expand_block(const Block& blk, const ExpandWork& w) {
       w.cand_parent[b * w.stride + c] = -1;
       w.score[b * w.stride + c] = clipped;
     } else {
-      const int64_t parent = w.frontier[b * w.K + e / w.K];
+      int64_t parent = w.frontier[b * w.K + e / w.K];  // (an earlier candidate: clamped, for a caller's bad frontier)
+      parent = parent < 0 ? 0 : (parent >= w.base ? w.base - 1 : parent);
       w.cand_parent[b * w.stride + c] = static_cast<int32_t>(parent);
       w.score[b * w.stride + c] = w.score[b * w.stride + parent] + clipped;
     }
@@ -166,7 +175,7 @@ struct FinalizeWork {
   const int32_t* cand_parent; // [C]
   const int64_t* cand_tokens; // [C]
   const int64_t* root;        // [1]
-  int32_t* scratch;           // [2 C + 4 N]
+  int32_t* scratch;           // [2 C + 6 N]
   int64_t* tokens;            // [N]
   int32_t* parents;           // [N]
   int32_t* depth;             // [N]
@@ -180,17 +189,6 @@ struct FinalizeWork {
   int32_t* max_depth;         // [1]
 };
 
-// Whether leaf a's root-to-leaf path precedes leaf b's, lexicographically by node index: the paths
-// first differ at the children of the two nodes' lowest common ancestor.
-MOESPEC_HD bool path_before(const int32_t* par, const int32_t* dep, int32_t a, int32_t b) {
-  int32_t x = a, y = b;
-  while (dep[x] > dep[y]) x = par[x];
-  while (dep[y] > dep[x]) y = par[y];
-  if (x == y) return dep[a] < dep[b];  // (one path a prefix of the other: not two leaves)
-  while (x > 0 && y > 0 && par[x] != par[y]) x = par[x], y = par[y];  // (x, y > 0: bad scores stay in bounds)
-  return x < y;
-}
-
 template <typename Block>
 MOESPEC_HD void finalize_block(const Block& blk, const FinalizeWork& w) {
   const int64_t C = w.C, N = w.N, M = N - 1;
@@ -200,6 +198,8 @@ MOESPEC_HD void finalize_block(const Block& blk, const FinalizeWork& w) {
   int32_t* par = cand_of + N;       // [N] parent node (-1: the root)
   int32_t* dep = par + N;           // [N]
   int32_t* has_child = dep + N;     // [N]
+  int32_t* leaves_in = has_child + N;  // [N] leaves of a node's subtree
+  int32_t* before = leaves_in + N;  // [N] leaves under a node's earlier siblings
   for (int64_t c = blk.thread(); c < C; c += blk.threads()) {  // the M best candidates
     const float v = w.score[c];
     int64_t rank = 0;
@@ -216,15 +216,16 @@ MOESPEC_HD void finalize_block(const Block& blk, const FinalizeWork& w) {
   }
   blk.sync();
   for (int64_t i = blk.thread(); i < N; i += blk.threads()) {
-    has_child[i] = 0;
+    has_child[i] = 0, leaves_in[i] = 0;
     if (i == 0) {
       par[0] = -1, dep[0] = 0;
       w.tokens[0] = *w.root, w.parents[0] = -1, w.depth[0] = 0, w.scores[0] = 0.0f, w.candidates[0] = -1;
       continue;
     }
     const int32_t c = cand_of[i], pc = w.cand_parent[c];
-    // (a parent among the chosen, as the ranking guarantees for valid scores; else the root)
-    const int32_t p = pc >= 0 && pc < C && chosen[pc] ? node_of[pc] : 0;
+    // (a parent among the chosen, as the ranking guarantees for valid scores, else the root; an earlier
+    // candidate, so that par[i] < i and every walk up ends at the root)
+    const int32_t p = pc >= 0 && pc < c && chosen[pc] ? node_of[pc] : 0;
     const int32_t d = c < w.K ? 1 : 2 + static_cast<int32_t>((c - w.K) / (static_cast<int64_t>(w.K) * w.K));
     par[i] = p, dep[i] = d;
     w.tokens[i] = w.cand_tokens[c], w.parents[i] = p, w.depth[i] = d, w.scores[i] = w.score[c];
@@ -241,11 +242,25 @@ MOESPEC_HD void finalize_block(const Block& blk, const FinalizeWork& w) {
     if (i > 0) has_child[par[i]] = 1;  // (every writer writes 1)
   }
   blk.sync();
+  // The leaves in lexicographic order of their paths: leaf a precedes b where, below their lowest
+  // common ancestor, a's path takes the lower-numbered child; so a's rank is the leaves under the
+  // earlier siblings of every node of its path.
+  for (int64_t i = blk.thread(); i < N; i += blk.threads())  // every leaf counts in its ancestors
+    if (!has_child[i])
+      for (int32_t u = static_cast<int32_t>(i); u >= 0; u = par[u]) blk.add(&leaves_in[u], 1);
+  blk.sync();
+  for (int64_t i = blk.thread(); i < N; i += blk.threads()) {
+    int32_t under = 0;
+    if (i > 0)
+      for (int64_t s = 1; s < i; ++s) under += par[s] == par[i] ? leaves_in[s] : 0;
+    before[i] = under;
+  }
+  blk.sync();
   for (int64_t i = blk.thread(); i < N; i += blk.threads()) {  // each leaf's path, at its rank
     if (has_child[i]) continue;
     int32_t rank = 0;
-    for (int32_t o = 0; o < N; ++o) rank += !has_child[o] && o != i && path_before(par, dep, o, static_cast<int32_t>(i));
-    int32_t* row = w.paths + rank * w.paths_stride;
+    for (int32_t u = static_cast<int32_t>(i); u > 0; u = par[u]) rank += before[u];
+    int32_t* row = w.paths + (rank < M ? rank : M - 1) * w.paths_stride;  // (rank < leaves <= M; kept in bounds)
     for (int32_t u = static_cast<int32_t>(i); u >= 0 && dep[u] < w.L; u = par[u]) row[dep[u]] = u;
   }
   if (blk.thread() == 0) {
