@@ -97,10 +97,11 @@ if (( tests_failed )); then
   sanitize memcheck 90
   sanitized=1
 fi
-timing "route_experts" bench.log 45 tests/gpu/bench_route_experts_cuda.py
+# the targets' timings first (the MoE kernel's, the runtime's steps), then the others
 timing "moe_experts" bench_moe.log 110 tests/gpu/bench_moe_experts_cuda.py moe_experts_bench.json
-timing "linear" bench_linear.log 45 tests/gpu/bench_linear_cuda.py linear_bench.json
 timing "runtime steps" bench_runtime.log 170 tests/gpu/bench_runtime_cuda.py runtime_bench.json
+timing "linear" bench_linear.log 45 tests/gpu/bench_linear_cuda.py linear_bench.json
+timing "route_experts" bench.log 45 tests/gpu/bench_route_experts_cuda.py
 step "hardware profile" profile.log 45 "$PY" tests/gpu/measure_profile.py
 # MLA's two forms on a DeepSeek-V3 attention layer (README "Target models": the absorbed form); last,
 # as the least needed of the tables
