@@ -48,6 +48,7 @@ cmake --build "$BUILD" -j "${JOBS:-$(nproc)}" 2>&1 | tee "$LOGS/build.log"
 results=()  # "name": "passed" | "failed" | "skipped", written to $LOGS/summary.json after every step
 DEADLINE=${DEADLINE:-540}  # seconds since the start: later steps are skipped (the device call stops at 600)
 ok=0  # whether the last step passed
+last_rc=0  # its exit status
 optional=0  # 1: a step skipped for time does not fail the run (the last, optional checks)
 step() {  # step <name> <log file> <seconds> <command...>: runs it (stopped after <seconds>: one hung
   # step must not eat the device call), logs it, records its result
@@ -59,8 +60,11 @@ step() {  # step <name> <log file> <seconds> <command...>: runs it (stopped afte
   else
     (( limit > DEADLINE - SECONDS )) && limit=$((DEADLINE - SECONDS))
     log "$name -> $LOGS/$file (at most ${limit} s)"
-    if timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOGS/$file"; then results+=("\"$name\": \"passed\""); ok=1; else
-      results+=("\"$name\": \"failed\""); status=1; ok=0; fi
+    if timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOGS/$file"; then results+=("\"$name\": \"passed\""); ok=1; last_rc=0
+    else
+      last_rc=${PIPESTATUS[0]}  # (124 or 137: stopped by its limit)
+      results+=("\"$name\": \"failed\""); status=1; ok=0
+    fi
     log "$name: $((SECONDS - started)) s"
   fi
   (IFS=,; printf '{%s}\n' "${results[*]}") >"$LOGS/summary.json"
@@ -71,7 +75,7 @@ FALLBACK=(MOESPEC_PDL=0 MOESPEC_MOE_FUSED=0 MOESPEC_FUSED_STEP=0 MOESPEC_ROUTE_F
           MOESPEC_TREE_FUSED=0)
 timing() {  # timing <name> <log file> <seconds> <script> [<its JSON in $LOGS>]
   step "timing: $1" "$2" "$3" env PYTHONPATH=python "$PY" "$4"
-  if (( ok == 0 )); then
+  if (( ok == 0 && last_rc != 124 && last_rc != 137 )); then  # (a failure, not its time limit: the JSON so far stays)
     if [[ -n "${5:-}" && -f "$LOGS/$5" ]]; then  # what the defaults wrote before failing stays, beside
       mv "$LOGS/$5" "$LOGS/${5%.json}.defaults-partial.json"
     fi
