@@ -313,14 +313,16 @@ class Eagle3Head(nn.Module):
     @torch.inference_mode()
     def forward_words(self, cache: DraftCache, tokens: torch.Tensor, hidden: Features, *, start: torch.Tensor,
                       positions: torch.Tensor, slots: torch.Tensor, words: torch.Tensor, span: int,
-                      last_only: bool = False) -> DraftOutput:
+                      last_only: bool = False, write: Optional[torch.Tensor] = None) -> DraftOutput:
         """:meth:`forward_native`'s terms on the device, through the decoder ops (the norms, rope + cache
         writes and a tree attention over the accepted prefix and the words' slots only: a few launches,
         the kernels on CUDA): T entries per request at slots start[b] + slots (``start`` long [B] on the
         entries' device: a static buffer in a captured round; ``slots`` long [B, T], relative; -1: a
         padding entry, written to the discard slot), each seeing the accepted prefix [0, start[b]) and the
         slots start[b] + i for the bits i < span of its row of ``words`` int32 [B T, W]. Positions long
-        [B, T]. Returns as :meth:`forward` (``last_only``: each request's last entry with a slot). Where
+        [B, T]. ``write`` long [B, T]: the absolute cache slots start + slots where the caller has them and
+        no entry pads (a draft round's levels: made once a round, not three launches a level). Returns as
+        :meth:`forward` (``last_only``: each request's last entry with a slot). Where
         the head runs natively (the CPU) the call is :meth:`forward_native`'s (``start`` = the cache's
         lengths, no padding)."""
         c = self.config
@@ -329,7 +331,8 @@ class Eagle3Head(nn.Module):
         if self.runs_natively(cache):  # (the CPU: the native step, whose start is the cache's lengths)
             return self.forward_native(cache, tokens, h, positions.numpy(), slots.numpy(), words.numpy(), last_only)
         residual, x = self._inputs(tokens, h)
-        write = torch.where(slots >= 0, start[:, None] + slots, cache.max_len)  # padding (-1): the discard slot
+        if write is None:
+            write = torch.where(slots >= 0, start[:, None] + slots, cache.max_len)  # padding (-1): the discard slot
         key = (B, T, span, x.device)
         if key not in self._packing:  # (made on a round's eager run, before a capture; kept: a graph reads them)
             bounds = list(range(0, B * T + 1, T))

@@ -301,15 +301,17 @@ class Eagle3Policy:
                              f"GPU attends at most {native().kMaxTreeTokens} (tree_attention's mask rows)")
         words = torch.zeros(B, K, (span + 31) // 32, dtype=torch.int32, device=dev)  # the root sees no scratch slot
         slots, bits = self._level_slots(dev)
+        last = n - 1  # [B] the root's position (a level's nodes sit at last + d)
+        writes = n[None, :, None] + slots[:, None, :]  # [depth - 1, B, K] the levels' cache slots (no padding)
         for d in range(1, c.depth):
             if self.selector is not None and not self.selector.worth_expanding(frontier.scores, active):
                 break  # no node of a deeper level can pay for it (the eco policies)
             level_start = time.perf_counter()
             own = slots[d - 1]  # [K] the level's scratch slots, relative to n
             words |= bits[d - 1]  # each node sees itself (its own slot's bit)
-            out = head.forward_words(dc, frontier.tokens.to(dev, copy=True), hidden, start=n,
-                                     positions=(n - 1 + d)[:, None].expand(B, K), slots=own.expand(B, K),
-                                     words=words.view(B * K, -1), span=span)
+            out = head.forward_words(dc, frontier.tokens.to(dev), hidden, start=n,  # (read by the embedding only)
+                                     positions=(last + d)[:, None].expand(B, K), slots=own.expand(B, K),
+                                     words=words.view(B * K, -1), span=span, write=writes[d - 1])
             top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
             frontier = builder.expand(top.indices, top.values)
             parent = frontier.parent_slot.long().to(dev)[:, :, None]  # [B, K, 1]
