@@ -196,7 +196,7 @@ class Eagle3Head(nn.Module):
         self._inv_freq = c.rope.inv_freq(c.head_dim)
         self._fused_weights: dict[str, tuple] = {}  # inference copies of q/k/v and gate/up, see _fused
         self._packing: dict[tuple, tuple] = {}  # forward_words' tree-attention geometry per (B, T, span)
-        self._rope_tables: dict[tuple, torch.Tensor] = {}  # forward_words' cos and sin per slot, see _rope_rows
+        self._rope_tables: dict[tuple, torch.Tensor] = {}  # forward_words' cos and sin per slot, see rope_rows
         self._native: Optional[tuple] = None  # (weights key, DecoderModel, RopeTable), see _native_model
         self._params_list: Optional[list[torch.Tensor]] = None  # the parameters, listed once (_native_model)
         self.native_step = True  # inference on the CPU through the native step (False: the torch ops)
@@ -313,7 +313,8 @@ class Eagle3Head(nn.Module):
     @torch.inference_mode()
     def forward_words(self, cache: DraftCache, tokens: torch.Tensor, hidden: Features, *, start: torch.Tensor,
                       positions: torch.Tensor, slots: torch.Tensor, words: torch.Tensor, span: int,
-                      last_only: bool = False, write: Optional[torch.Tensor] = None) -> DraftOutput:
+                      last_only: bool = False, write: Optional[torch.Tensor] = None,
+                      rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> DraftOutput:
         """:meth:`forward_native`'s terms on the device, through the decoder ops (the norms, rope + cache
         writes and a tree attention over the accepted prefix and the words' slots only: a few launches,
         the kernels on CUDA): T entries per request at slots start[b] + slots (``start`` long [B] on the
@@ -321,7 +322,8 @@ class Eagle3Head(nn.Module):
         padding entry, written to the discard slot), each seeing the accepted prefix [0, start[b]) and the
         slots start[b] + i for the bits i < span of its row of ``words`` int32 [B T, W]. Positions long
         [B, T]. ``write`` long [B, T]: the absolute cache slots start + slots where the caller has them and
-        no entry pads (a draft round's levels: made once a round, not three launches a level). Returns as
+        no entry pads (a draft round's levels: made once a round, not three launches a level); ``rope``:
+        the entries' cos and sin [B T, D] (:meth:`rope_rows` of ``positions``, made once a round). Returns as
         :meth:`forward` (``last_only``: each request's last entry with a slot). Where
         the head runs natively (the CPU) the call is :meth:`forward_native`'s (``start`` = the cache's
         lengths, no padding)."""
@@ -341,37 +343,41 @@ class Eagle3Head(nn.Module):
                                   to_device([span] * B, x.device, torch.long),
                                   to_device([b for b in range(B) for _ in range(T)], x.device, torch.long))
         offsets, groups, spans, requests = self._packing[key]
-        q = self._attention_inputs(cache, x, positions, write, requests)  # [B T, Hq, D]
+        q = self._attention_inputs(cache, x, positions, write, requests, rope)  # [B T, Hq, D]
         o = decoder_ops.tree_attention(q, cache.k, cache.v, start, offsets, groups, words, c.head_dim ** -0.5,
                                        spans=spans)
         return self._outputs(self._finish(residual, o.view(B, T, -1, c.head_dim).transpose(1, 2)), slots, last_only)
 
     def _attention_inputs(self, cache: DraftCache, x: torch.Tensor, positions: torch.Tensor,
-                          write: torch.Tensor, requests: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          write: torch.Tensor, requests: Optional[torch.Tensor] = None,
+                          rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """q [B T, Hq, D] of the entries x [B, T, 2H], their k and v written at the cache slots ``write``
         [B, T] (rope and the writes: one launch on CUDA). ``requests`` (long [B T], each entry's request)
         is given where the positions lie within the cache and a tree's scratch beyond it
-        (:meth:`forward_words`): rope then comes from a table (:meth:`_rope_rows`)."""
+        (:meth:`forward_words`): rope then comes from a table (:meth:`rope_rows`), or the caller's ``rope``."""
         c, a = self.config, self.midlayer.self_attn
         B, T, _ = x.shape
         if requests is None:
             cos, sin = (t.reshape(B * T, c.head_dim) for t in self._rope(positions, x))
             requests = torch.arange(B, device=write.device)[:, None].expand(B, T).reshape(-1)
         else:
-            cos, sin = self._rope_rows(cache, positions, x)
+            cos, sin = rope if rope is not None else self.rope_rows(cache, positions)
         return decoder_ops.attention_inputs(
             linear(x, self._fused("qkv", a.q_proj, a.k_proj, a.v_proj)).reshape(B * T, -1), None, None, cos, sin,
             cache.k, cache.v, requests, write.reshape(-1), num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads, qk_norm="none", eps=c.rms_norm_eps, clip=None)
 
-    def _rope_rows(self, cache: DraftCache, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """cos, sin [B T, D] at ``positions`` [B, T]: :meth:`_rope`'s values (a table of every position
-        of the cache and a tree's scratch beyond it, made with its ops on x's device), in two launches
-        (clamp, one gather) instead of seven. Tables are kept: a captured round reads them."""
+    def rope_rows(self, cache: DraftCache, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos, sin [B T, D] at ``positions`` [B, T] (any shape of B T entries): :meth:`_rope`'s values in
+        the head's dtype (a table of every position of the cache and a tree's scratch beyond it, made with
+        its ops on the cache's device), in two launches (clamp, one gather) instead of seven. Tables are
+        kept: a captured round reads them."""
         n = cache.max_len + native().kMaxTreeTokens + 1  # (beyond: padding entries only)
-        key = (x.device, x.dtype, n)
+        dev = cache.k.device
+        key = (dev, self.dtype, n)
         if key not in self._rope_tables:
-            self._rope_tables[key] = torch.stack(self._rope(torch.arange(n, device=x.device), x))  # [2, n, D]
+            like = torch.empty(0, dtype=self.dtype, device=dev)
+            self._rope_tables[key] = torch.stack(self._rope(torch.arange(n, device=dev), like))  # [2, n, D]
         rows = self._rope_tables[key].index_select(1, positions.reshape(-1).clamp(0, n - 1))  # [2, B T, D]
         return rows.unbind(0)
 

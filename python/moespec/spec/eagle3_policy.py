@@ -300,9 +300,12 @@ class Eagle3Policy:
             raise ValueError(f"speculative config: (depth - 1) * top_k = {span} scratch slots; the draft round on a "
                              f"GPU attends at most {native().kMaxTreeTokens} (tree_attention's mask rows)")
         words = torch.zeros(B, K, (span + 31) // 32, dtype=torch.int32, device=dev)  # the root sees no scratch slot
-        slots, bits = self._level_slots(dev)
-        last = n - 1  # [B] the root's position (a level's nodes sit at last + d)
-        writes = n[None, :, None] + slots[:, None, :]  # [depth - 1, B, K] the levels' cache slots (no padding)
+        slots, bits, offsets = self._level_slots(dev)
+        # once a round, for every level: the nodes' cache slots (no padding), positions (the root's + d)
+        # and rope rows
+        writes = n[None, :, None] + slots[:, None, :]  # [depth - 1, B, K]
+        positions = (n[None, :] + offsets[:, None])[:, :, None].expand(c.depth - 1, B, K)  # [depth - 1, B, K]
+        cos, sin = (t.view(c.depth - 1, B * K, -1) for t in head.rope_rows(dc, positions))
         for d in range(1, c.depth):
             if self.selector is not None and not self.selector.worth_expanding(frontier.scores, active):
                 break  # no node of a deeper level can pay for it (the eco policies)
@@ -310,8 +313,9 @@ class Eagle3Policy:
             own = slots[d - 1]  # [K] the level's scratch slots, relative to n
             words |= bits[d - 1]  # each node sees itself (its own slot's bit)
             out = head.forward_words(dc, frontier.tokens.to(dev), hidden, start=n,  # (read by the embedding only)
-                                     positions=(last + d)[:, None].expand(B, K), slots=own.expand(B, K),
-                                     words=words.view(B * K, -1), span=span, write=writes[d - 1])
+                                     positions=positions[d - 1], slots=own.expand(B, K),
+                                     words=words.view(B * K, -1), span=span, write=writes[d - 1],
+                                     rope=(cos[d - 1], sin[d - 1]))
             top = torch.log_softmax(out.logits, dim=-1).topk(K, dim=-1)  # [B, K, K]
             frontier = builder.expand(top.indices, top.values)
             parent = frontier.parent_slot.long().to(dev)[:, :, None]  # [B, K, 1]
@@ -322,16 +326,18 @@ class Eagle3Policy:
             words = words.gather(1, parent.expand(B, K, words.shape[-1]))
         return level_hidden
 
-    def _level_slots(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _level_slots(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The draft round's per-level constants on ``dev``: slots long [depth - 1, K] (level d's nodes'
-        scratch slots (d - 1) K + s) and bits int32 [depth - 1, K, W] (each node's own slot as a mask
-        word bit), made once (host-built, one copy; a captured round reads them) so that a level adds
-        its nodes' bits in one launch."""
+        scratch slots (d - 1) K + s), bits int32 [depth - 1, K, W] (each node's own slot as a mask
+        word bit) and offsets long [depth - 1] (level d's nodes' positions past the accepted prefix,
+        d - 1), made once (host-built; a captured round reads them) so that a level adds its nodes'
+        bits in one launch and a round makes every level's positions in one."""
         if dev not in self._levels:
             K, levels = self.config.top_k, self.config.depth - 1
             own = np.arange(levels * K).reshape(levels, K)
             bits = np.zeros((levels, K, (levels * K + 31) // 32), dtype=np.uint32)
             ones = np.left_shift(np.uint32(1), (own % 32).astype(np.uint32))
             np.put_along_axis(bits, (own // 32)[:, :, None], ones[:, :, None], 2)
-            self._levels[dev] = (to_device(own, dev, torch.long), to_device(bits.view(np.int32), dev))
+            self._levels[dev] = (to_device(own, dev, torch.long), to_device(bits.view(np.int32), dev),
+                                 to_device(np.arange(levels), dev, torch.long))
         return self._levels[dev]
