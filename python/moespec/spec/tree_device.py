@@ -50,7 +50,10 @@ class TorchTreeCore:
     A round is a fixed sequence of about 20 kernels per level and 60 at the finalize (B = 8, top-k 8,
     depth 6: ~190 in all): what is fixed by the shape (each candidate's depth, the roots' parent, the
     masks' own bits, the sort keys' weights) is computed once per tree size, outputs are written in
-    place (``out=``), and problems are recorded as flags copied back with the finalize's results."""
+    place (``out=``), and problems are recorded as flags copied back with the finalize's results.
+    With ``kernels`` (TreeBuilder's "fused" core; where top_k <= 16 and C <= 4096) each level and the
+    finalize are one kernel instead (:mod:`moespec.ops.draft_tree`) on the same buffers, flags and
+    semantics."""
 
     def __init__(self, batch: int, depth: int, top_k: int, total_tokens: int, device: torch.device,
                  kernels: bool = False):
