@@ -433,7 +433,7 @@ def test_the_draft_rounds_kernel_count_on_a_gpus_paths(tmp_path):
     from moespec.tools import count_kernels
 
     got = count_kernels.count(depth=4, top_k=4, nodes=8)
-    assert got["round"]["kernels"] <= 90 and got["catch_up"]["kernels"] <= 40, got
+    assert got["round"]["kernels"] <= 90 and got["catch_up"]["kernels"] <= 25, got
     # the fused tree core (a GPU's default): a level and a finalize one kernel each (239 kernels a round
     # on the torch core's ops; 297 before 2026-12-05)
     assert got["round"]["ops"]["draft_tree_expand"] == 4 and got["round"]["ops"]["draft_tree_finalize"] == 1

@@ -129,10 +129,11 @@ class StaticCatchUp:
         self.policy, self.dc = policy, dc
         features = features.taps if isinstance(features, PathFeatures) else features  # (their widths and dtypes)
         B, T, dev = batch, tokens, features[0].device
-        self.packed = torch.zeros(2 * B * T + B, dtype=torch.long, device=dev)  # tokens, relative slots, starts
+        # the call's inputs, made on the host and copied in one DMA: tokens, relative slots, positions and
+        # cache slots [B, T] each, then the starts and each request's last entry [B] each
+        self.packed = torch.zeros(4 * B * T + 2 * B, dtype=torch.long, device=dev)
         self.features = tuple(torch.zeros(B, T, f.shape[-1], dtype=f.dtype, device=dev) for f in features)
         self.words = to_device(causal_words(B, T), dev)
-        self.rows = torch.arange(B, device=dev)
         self.graph = None
         self.out: tuple[torch.Tensor, torch.Tensor] = ()
 
@@ -142,8 +143,11 @@ class StaticCatchUp:
         [B, T, Ht] aligned with them, or a :class:`PathFeatures` gathered into the static buffers).
         Appends the entries' K/V at the cache's lengths (the caller advances them)."""
         B, T = self.features[0].shape[:2]
-        host = [t + [0] * (T - len(t)) for t in tokens] + [list(range(len(t))) + [-1] * (T - len(t)) for t in tokens]
-        copy_from_host(self.packed, [v for row in host for v in row] + list(self.dc.lengths))
+        starts, discard = list(self.dc.lengths), self.dc.max_len
+        host = [t + [0] * (T - len(t)) for t in tokens] + [list(range(len(t))) + [-1] * (T - len(t)) for t in tokens] + \
+            [[s + i if i < len(t) else s for i in range(T)] for s, t in zip(starts, tokens)] + \
+            [[s + i if i < len(t) else discard for i in range(T)] for s, t in zip(starts, tokens)]
+        copy_from_host(self.packed, [v for row in host for v in row] + starts + [max(len(t) - 1, 0) for t in tokens])
         if isinstance(features, PathFeatures):
             features.into(self.features)
         else:
@@ -160,10 +164,9 @@ class StaticCatchUp:
 
     def _call(self) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.features[0].shape[:2]
-        tokens, rel = self.packed[:B * T].view(B, T), self.packed[B * T: 2 * B * T].view(B, T)
-        start = self.packed[2 * B * T:]
-        out = self.policy.head.forward_words(self.dc, tokens, self.features, start=start,
-                                             positions=start[:, None] + rel.clamp_min(0), slots=rel,
-                                             words=self.words, span=T, last_only=True)
-        last = ((rel >= 0).sum(1) - 1).clamp_min(0)  # [B] each request's last entry (as forward_words' logits)
-        return out.logits[:, 0], out.hidden[self.rows, last]
+        tokens, rel, positions, write = self.packed[:4 * B * T].view(4, B, T)
+        start, last = self.packed[4 * B * T:].view(2, B)
+        out = self.policy.head.forward_words(self.dc, tokens, self.features, start=start, positions=positions,
+                                             slots=rel, words=self.words, span=T, last_only=True, write=write,
+                                             last=last)
+        return out.logits[:, 0], out.hidden.gather(1, last[:, None, None].expand(B, 1, out.hidden.shape[-1]))[:, 0]

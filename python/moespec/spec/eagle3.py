@@ -301,30 +301,34 @@ class Eagle3Head(nn.Module):
                                            scale=c.head_dim ** -0.5, enable_gqa=c.num_heads != c.num_kv_heads)
         return self._outputs(self._finish(residual, o), slots, last_only)
 
-    def _outputs(self, out: torch.Tensor, slots: torch.Tensor, last_only: bool) -> DraftOutput:
+    def _outputs(self, out: torch.Tensor, slots: torch.Tensor, last_only: bool,
+                 last: Optional[torch.Tensor] = None) -> DraftOutput:
         """The layer's output [B, T, H] with its logits (``last_only``: each request's last entry with
-        slot >= 0)."""
+        slot >= 0; ``last`` long [B]: those entries, where the caller has them)."""
         if last_only:
-            last = ((slots >= 0).sum(1) - 1).clamp_min(0)  # [B]
-            rows = torch.arange(out.shape[0], device=out.device)
-            return DraftOutput(logits=self.logits(out[rows, last])[:, None], hidden=out)
+            if last is None:
+                last = ((slots >= 0).sum(1) - 1).clamp_min(0)  # [B]
+            rows = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))  # [B, 1, H]
+            return DraftOutput(logits=self.logits(rows), hidden=out)
         return DraftOutput(logits=self.logits(out), hidden=out)
 
     @torch.inference_mode()
     def forward_words(self, cache: DraftCache, tokens: torch.Tensor, hidden: Features, *, start: torch.Tensor,
                       positions: torch.Tensor, slots: torch.Tensor, words: torch.Tensor, span: int,
                       last_only: bool = False, write: Optional[torch.Tensor] = None,
-                      rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> DraftOutput:
+                      rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                      last: Optional[torch.Tensor] = None) -> DraftOutput:
         """:meth:`forward_native`'s terms on the device, through the decoder ops (the norms, rope + cache
         writes and a tree attention over the accepted prefix and the words' slots only: a few launches,
         the kernels on CUDA): T entries per request at slots start[b] + slots (``start`` long [B] on the
         entries' device: a static buffer in a captured round; ``slots`` long [B, T], relative; -1: a
         padding entry, written to the discard slot), each seeing the accepted prefix [0, start[b]) and the
         slots start[b] + i for the bits i < span of its row of ``words`` int32 [B T, W]. Positions long
-        [B, T]. ``write`` long [B, T]: the absolute cache slots start + slots where the caller has them and
-        no entry pads (a draft round's levels: made once a round, not three launches a level); ``rope``:
-        the entries' cos and sin [B T, D] (:meth:`rope_rows` of ``positions``, made once a round). Returns as
-        :meth:`forward` (``last_only``: each request's last entry with a slot). Where
+        [B, T]. Where the caller has them: ``write`` long [B, T], the absolute cache slots start + slots
+        (padding: the discard slot ``cache.max_len``; a draft round's levels make theirs once a round,
+        the catch-up on the host: not three launches a call), ``rope`` the entries' cos and sin [B T, D]
+        (:meth:`rope_rows` of ``positions``), ``last`` long [B] each request's last entry with a slot.
+        Returns as :meth:`forward` (``last_only``: each request's last entry with a slot). Where
         the head runs natively (the CPU) the call is :meth:`forward_native`'s (``start`` = the cache's
         lengths, no padding)."""
         c = self.config
@@ -346,7 +350,8 @@ class Eagle3Head(nn.Module):
         q = self._attention_inputs(cache, x, positions, write, requests, rope)  # [B T, Hq, D]
         o = decoder_ops.tree_attention(q, cache.k, cache.v, start, offsets, groups, words, c.head_dim ** -0.5,
                                        spans=spans)
-        return self._outputs(self._finish(residual, o.view(B, T, -1, c.head_dim).transpose(1, 2)), slots, last_only)
+        return self._outputs(self._finish(residual, o.view(B, T, -1, c.head_dim).transpose(1, 2)), slots, last_only,
+                             last)
 
     def _attention_inputs(self, cache: DraftCache, x: torch.Tensor, positions: torch.Tensor,
                           write: torch.Tensor, requests: Optional[torch.Tensor] = None,
