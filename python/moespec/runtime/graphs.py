@@ -73,7 +73,6 @@ class StaticStep:
         self.packed: Optional[torch.Tensor] = None  # long: the call's geometry, copied in by load()
         self.words = 0  # packed mask words per token
         self.mask_words: Optional[torch.Tensor] = None  # int32 [B, T, W]: the fused forward's mask rows
-        self.cols_t = torch.arange(T, **long)  # new-token index
         # the fused forward's fixed geometry: B requests of T tokens each
         self.offsets = torch.arange(0, B * T + 1, T, **long)
         self.groups = attention_groups(list(range(0, B * T + 1, T))).to(device)
@@ -87,12 +86,14 @@ class StaticStep:
 
     def load(self, geo: "StepGeometry", starts: list[int]) -> None:
         """Copies one call's packed geometry (token ids, positions, each request's first new slot, the
-        trees' packed mask words) into the static ``packed`` buffer, in one host-to-device copy. The
-        mask and slots are built from it inside the forward (:meth:`_unpack`), so on CUDA they are part
-        of the graph: a call launches the copy and the replay, nothing else."""
+        new tokens' cache slots, the trees' packed mask words) into the static ``packed`` buffer, in one
+        host-to-device copy. The fused forward reads the first four as they lie there and the mask rows
+        from one conversion (the reference forward's inputs are built from it, :meth:`_unpack`), inside
+        the graph on CUDA: a call launches the copy and the replay, nothing else."""
+        T = self.batch.tokens.shape[1]
         host = torch.cat([geo.tokens.long(), geo.positions.long(),
-                          to_device(starts, geo.tokens.device, torch.long),
-                          geo.mask.long().reshape(-1)])  # (on the host, or on the GPU for the torch tree core's trees)
+                          to_device(starts + [s + t for s in starts for t in range(T)], geo.tokens.device, torch.long),
+                          geo.mask.long().reshape(-1)])  # (on the host, or on the GPU for the device tree cores' trees)
         if self.packed is None:
             self.words = geo.mask.shape[1]
             self.packed = torch.empty(host.numel(), dtype=torch.long, device=self.batch.tokens.device)
@@ -100,23 +101,25 @@ class StaticStep:
             self.mask_words = torch.empty(B, T, self.words, dtype=torch.int32, device=self.packed.device)
         copy_from_host(self.packed, host)
 
-    def _unpack(self) -> torch.Tensor:
-        """tokens, positions, the cache slots and the mask rows (the fused forward's int32 words, or
-        the reference forward's mask over every cache slot: committed slots, then ancestor-or-self
-        among the new tokens), from ``packed``; returns each request's first new slot, long [B]."""
+    def _unpack(self) -> tuple[torch.Tensor, ...]:
+        """From ``packed``: tokens and positions long [B T], each request's first new slot long [B] and
+        the new tokens' cache slots long [B T] (views), and the mask rows (the fused forward's int32
+        words, one conversion; or the reference forward's inputs copied into its batch, with the mask
+        over every cache slot: committed slots, then ancestor-or-self among the new tokens)."""
         b = self.batch
         B, T = b.tokens.shape
         P = B * T
-        start = self.packed[2 * P: 2 * P + B]
-        words = self.packed[2 * P + B:].view(B, T, self.words)  # int32 words sign-extended: bits 0..31 as they were
-        b.tokens.copy_(self.packed[:P].view(B, T))
-        b.positions.copy_(self.packed[P: 2 * P].view(B, T))
-        b.slots.copy_((start[:, None] + self.cols_t[None, :]).reshape(-1))
+        tokens, positions = self.packed[:P], self.packed[P: 2 * P]
+        start, slots = self.packed[2 * P: 2 * P + B], self.packed[2 * P + B: 3 * P + B]
+        words = self.packed[3 * P + B:].view(B, T, self.words)  # int32 words sign-extended: bits 0..31 as they were
         if self.fused is not None:
             self.mask_words.copy_(words)
         else:
+            b.tokens.copy_(tokens.view(B, T))
+            b.positions.copy_(positions.view(B, T))
+            b.slots.copy_(slots)
             b.visible.copy_(visible_slots(start, words, self.cache.max_len))
-        return start
+        return tokens, positions, start, slots
 
     def run(self) -> "ForwardOutput":
         """The forward on the loaded inputs: eagerly the first time (capturing it on CUDA), then replayed."""
@@ -129,14 +132,13 @@ class StaticStep:
         return out
 
     def _forward(self) -> "ForwardOutput":
-        start = self._unpack()
+        tokens, positions, start, slots = self._unpack()
         b = self.batch
         if self.fused is None:
             return self.reference._forward(self.cache, b, self.budget, last_only=False)
         B, T = b.tokens.shape
-        packed = PackedStep(tokens=b.tokens.view(-1), positions=b.positions.view(-1), start=start,
-                            offsets=self.offsets, groups=self.groups, words=self.mask_words.view(B * T, -1),
-                            rows=b.rows, slots=b.slots)
+        packed = PackedStep(tokens=tokens, positions=positions, start=start, offsets=self.offsets,
+                            groups=self.groups, words=self.mask_words.view(B * T, -1), rows=b.rows, slots=slots)
         out = self.fused(self.cache, packed, self.budget)
         out.logits, out.num_tokens = out.logits.view(B, T, -1), [T] * B
         out.hidden = tuple(t.view(B, T, -1) for t in out.hidden)

@@ -1,5 +1,5 @@
-"""Kernels an EAGLE-3 step's draft round and catch-up launch on a GPU, and the step besides its
-graphs, counted on the CPU:
+"""Kernels an EAGLE-3 step's draft round, catch-up and verify forward launch on a GPU, and the step
+besides its graphs, counted on the CPU:
 
     python -m moespec.tools.count_kernels [--depth 4] [--top-k 4] [--nodes 8] [--batch 1] [--json out.json]
 
@@ -11,9 +11,9 @@ eagle3 steps of a tiny random Qwen3-MoE on the
 CPU through the code paths a GPU takes (the head's torch ops instead of the native step, the torch
 tree core with its checks deferred, draft graphs' static round and catch-up) and counts the torch
 ops each static call dispatches: views, allocations and no-op conversions are not kernels;
-moespec's decoder ops and projections count as the kernels they are on CUDA (rms_norm,
-attention_inputs and linear one each, tree_attention two: the attention and its combine), their
-plain-torch CPU bodies not at all. Other ops count one each (a few, such as sort, launch more on a
+moespec's decoder ops, projections and MoE ops count as the kernels they are on CUDA (rms_norm,
+attention_inputs, linear and route_experts one each, tree_attention two: the attention and its
+combine, moe_experts two: its fused pair), their CPU bodies not at all. Other ops count one each (a few, such as sort, launch more on a
 GPU). No GPU needed; tests/python/test_graphs.py holds the counts under a bound.
 """
 
@@ -34,6 +34,7 @@ NOT_KERNELS = frozenset({"view", "_unsafe_view", "expand", "slice", "select", "u
                    "narrow", "chunk", "split_with_sizes", "lift_fresh",
                    "to", "empty", "empty_like", "resolve_conj", "resolve_neg", "detach_"})  # (`to` copies via _to_copy)
 FUSED_KERNELS = {"rms_norm": 1, "attention_inputs": 1, "tree_attention": 2}  # moespec.ops.decoder: CUDA kernels
+MOE_KERNELS = {"linear": 1, "route_experts": 1, "moe_experts": 2}  # the verify's other ops (moespec.models.moe)
 
 
 class _Counter(TorchDispatchMode):
@@ -51,9 +52,12 @@ class _Counter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _counted_ops(counter: _Counter) -> Iterator[None]:
-    """moespec's decoder ops and the head's projections counted as their CUDA kernels (their CPU
-    bodies run uncounted) under ``counter``'s current label."""
+    """moespec's decoder ops, projections and MoE ops counted as their CUDA kernels (their CPU bodies
+    run uncounted) under ``counter``'s current label, where the draft head, the fused forward and the
+    MoE layer call them."""
+    from moespec.models import moe
     from moespec.ops import decoder
+    from moespec.runtime import fused
     from moespec.spec import eagle3
 
     def one(name: str, fn, kernels: int):
@@ -63,10 +67,13 @@ def _counted_ops(counter: _Counter) -> Iterator[None]:
                 return fn(*args, **kwargs)
         return wrapped
 
-    saved = [(decoder, name, getattr(decoder, name)) for name in FUSED_KERNELS] + [(eagle3, "linear", eagle3.linear)]
+    kernels = FUSED_KERNELS | MOE_KERNELS
+    saved = [(module, name, getattr(module, name)) for module in (decoder, fused) for name in FUSED_KERNELS] + \
+        [(module, "linear", module.linear) for module in (eagle3, fused, moe)] + \
+        [(moe, name, getattr(moe, name)) for name in ("route_experts", "moe_experts")]
     try:
         for module, name, fn in saved:
-            setattr(module, name, one(name, fn, FUSED_KERNELS.get(name, 1)))
+            setattr(module, name, one(name, fn, kernels[name]))
         yield
     finally:
         for module, name, fn in saved:
@@ -167,7 +174,7 @@ def count(depth: int = 4, top_k: int = 4, nodes: int = 8, batch: int = 1, steps:
     counts = dict(counter.ops)
     kernels = {name: {op: n for op, n in ops.items() if op not in NOT_KERNELS} for name, ops in counts.items()}
     out = {name: {"kernels": sum(ops.values()), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
-           for name, ops in kernels.items() if name != "verify"}  # (the verify forward's own: not counted here)
+           for name, ops in kernels.items()}
     out["step"]["graphs"] = sorted(name for name in ("round", "catch_up", "verify") if name in counts)
     return out
 
