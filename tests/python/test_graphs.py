@@ -439,8 +439,8 @@ def test_the_draft_rounds_kernel_count_on_a_gpus_paths(tmp_path):
     assert got["round"]["ops"]["draft_tree_expand"] == 4 and got["round"]["ops"]["draft_tree_finalize"] == 1
     assert count_kernels.count(depth=4, top_k=4, nodes=8, tree_core="torch")["round"]["kernels"] <= 250
     # the verify graph of the 2-layer model: 11 kernels a layer (norm, q/k/v, inputs, attention + combine, o,
-    # norm, router, routing, the MoE pair) and 7 besides (33 when tokens, positions and slots were copied
-    # out of the packed inputs)
+    # norm, router, routing, the MoE pair) and 6 besides (33 when tokens, positions and slots were copied
+    # out of the packed inputs and cos and sin gathered apart)
     verify = got["verify"]["ops"]
     assert got["verify"]["kernels"] <= 30 and verify["[moe_experts]"] == 4 and verify["[route_experts]"] == 2, verify
     # the step besides its three graphs: 41 before the trees were left uncopied and the verify's

@@ -59,26 +59,27 @@ def supports(model: "TargetModel") -> bool:
 
 
 class FusedForward:
-    """One model's fused forward; the rope table (cos, sin of every slot of a cache, in the model
-    dtype, built on the model's device with the reference's own ops) is made once per length. A longer
+    """One model's fused forward; the rope table (cos and sin of every slot of a cache, [2, S, D] in the
+    model dtype, built on the model's device with the reference's own ops) is made once per length. A longer
     cache makes a longer table; the shorter ones stay alive, since graphs captured over them read
     their memory at every replay (a freed table's memory would be reused under them)."""
 
     def __init__(self, model: "TargetModel"):
         self.model = model
-        self.cos = self.sin = torch.empty(0)
+        self.table = torch.empty(2, 0, 0)
         self.retired: list[torch.Tensor] = []  # tables a captured graph may still read
 
-    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos.shape[0] < length:
-            self.retired += [self.cos, self.sin]
+    def rope(self, length: int) -> torch.Tensor:
+        """The table [2, S >= length, D]: cos, then sin."""
+        if self.table.shape[1] < length:
+            self.retired.append(self.table)
             positions = torch.arange(length, device=self.model.inv_freq.device)
             freqs = positions[:, None].float() * self.model.inv_freq  # [S, D/2], as the reference computes it
             emb = torch.cat((freqs, freqs), dim=-1)
             scaling = self.model.config.rope.attention_scaling  # (1 but for yarn)
-            self.cos = (emb.cos() * scaling).to(self.model.dtype)
-            self.sin = (emb.sin() * scaling).to(self.model.dtype)
-        return self.cos, self.sin
+            self.table = torch.stack([(emb.cos() * scaling).to(self.model.dtype),
+                                      (emb.sin() * scaling).to(self.model.dtype)])
+        return self.table
 
     def __call__(self, cache: "KVCache", batch: "PackedStep", budget: Optional[ExpertBudget]) -> "ForwardOutput":
         """The forward of a call's packed tokens (``batch``); logits [P, V] and taps [P, H] per token,
@@ -89,8 +90,7 @@ class FusedForward:
         c, w = model.config, model.weights
         P = batch.tokens.shape[0]
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        table_cos, table_sin = self.rope(cache.max_len)
-        cos, sin = table_cos[batch.positions], table_sin[batch.positions]  # [P, D]
+        cos, sin = self.rope(cache.max_len).index_select(1, batch.positions)  # [P, D] each (one gather)
         eps = c.rms_norm_eps
         x, h = rms_norm(F.embedding(batch.tokens, w.embed), w.layers[0].input_norm, eps,
                         scale_fp32=c.norm_scale_fp32)  # [P, H] each
