@@ -382,3 +382,25 @@ def test_devices_are_checked_and_weights_move_as_one(tmp_path):
     assert all(t.device.type == "meta" for t in tensors) and meta.device.type == "meta"
     assert (meta.lm_head is meta.embed) == (w.lm_head is w.embed)
     assert w.embed.device.type == "cpu"  # the original is untouched
+
+
+def test_a_layers_float32_tensors_are_converted_once():
+    """LayerWeights.float32: the float32 form of a tensor (the MoE layer's biases at every call), made
+    once and kept while the tensor is the same object, not a dataclass field (engines and copies do not
+    see it); float32 tensors and None as they are."""
+    import dataclasses
+
+    from moespec.models.weights import LayerWeights
+
+    H = 4
+    biases = torch.randn(2, 6).to(torch.bfloat16)
+    layer = LayerWeights(input_norm=torch.ones(H), qkv=None, qkv_bias=None, q_norm=None, k_norm=None,
+                         o=torch.ones(H, H), o_bias=None, post_norm=torch.ones(H), expert_biases=biases,
+                         score_bias=torch.zeros(2))
+    first = layer.float32("expert_biases")
+    assert first.dtype == torch.float32 and torch.equal(first, biases.float())
+    assert layer.float32("expert_biases") is first  # kept
+    assert layer.float32("score_bias") is layer.score_bias and layer.float32("router") is None
+    layer.expert_biases = biases * 2  # a new tensor: converted again
+    assert torch.equal(layer.float32("expert_biases"), (biases * 2).float())
+    assert "_float32" not in {f.name for f in dataclasses.fields(layer)}

@@ -36,7 +36,7 @@ def experts_reference(x: torch.Tensor, routing: Routing, layer: LayerWeights, mo
 
         weights = routing.weights.to(x.dtype).float() if moe.weights_in_model_dtype else routing.weights
         return moe_experts_reference(x, routing.ids, weights, layer.experts, I, activation="gpt_oss",
-                                     biases=layer.expert_biases.float(), limit=moe.swiglu_limit,
+                                     biases=layer.float32("expert_biases"), limit=moe.swiglu_limit,
                                      alpha=moe.swiglu_alpha)
     gate_up, down = layer.expert_gate_up(I), layer.expert_down(I)  # [E, 2I, H], [E, H, I]
     weights = routing.weights.to(x.dtype) if moe.weights_in_model_dtype else routing.weights  # [P, K]
@@ -88,7 +88,7 @@ def moe_forward(
         logits = F.linear(x.float(), layer.router.float())
     else:  # [P, E], in the model dtype as transformers computes it
         logits = linear(x, layer.router, layer.router_bias, cpu_kernel=False)
-    bias = layer.score_bias.float() if layer.score_bias is not None else None
+    bias = layer.float32("score_bias")
     # (check_finite=False: a CUDA step never synchronises with the host; the CPU checks in any case.)
     routing = route_experts(logits, moe.router, budget, bias, check_finite=False)
     if trace is not None:
@@ -96,7 +96,7 @@ def moe_forward(
     if impl == "reference" or not _kernel_runs_on(x.device):
         out = experts_reference(x, routing, layer, moe)
     else:
-        biases = layer.expert_biases.float() if layer.expert_biases is not None else None
+        biases = layer.float32("expert_biases")
         # (round_weights: rounded to the model dtype as the family's router rounds them, in the kernel)
         out = moe_experts(x, routing.ids, routing.weights, layer.experts, moe.intermediate_size,
                           activation=moe.activation, biases=biases, limit=moe.swiglu_limit, alpha=moe.swiglu_alpha,

@@ -66,6 +66,18 @@ class LayerWeights:
         if self.shared_gate is not None:
             self.shared_gate = self.shared_gate.clone()
 
+    def float32(self, name: str) -> Optional[torch.Tensor]:
+        """The tensor ``name`` in float32, converted once and kept (not a field: engines and copies do
+        not see it): the MoE layer reads its biases at every call, which in a captured step would be a
+        conversion kernel a layer."""
+        t = getattr(self, name)
+        if t is None or t.dtype == torch.float32:
+            return t
+        kept = self.__dict__.setdefault("_float32", {})
+        if name not in kept or kept[name][0] is not t:
+            kept[name] = (t, t.float())
+        return kept[name][1]
+
     def expert_gate_up(self, intermediate: int) -> torch.Tensor:
         """View [E, 2 I, H] of every expert's gate and up rows (no copy)."""
         E, block = self.experts.shape
