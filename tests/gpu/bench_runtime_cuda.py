@@ -105,6 +105,40 @@ def profiled(step, label: str, top: int = 12, calls: int = 3) -> dict:
     return {"gpu_us": total, "kernels": launches, "top": [[n, us, c] for n, us, c in rows[:top]]}
 
 
+def routing_in_step_us(m: TargetModel, cache, T: int = 16, budget: int = 32) -> float:
+    """Routing + budget's share of a captured verify step, measured inside it: the step's time minus the
+    time of the same step whose routing is its own recorded output (moespec.models.moe.route_experts
+    replaced by the routings of an earlier call, layer after layer: the graph then has no routing
+    kernel, and the experts read are the same), per layer, in us. (Beside route_us, the routing op timed
+    alone in a graph: inside the step its launch overlaps the kernels around it.)"""
+    import itertools
+
+    from moespec.models import moe
+
+    tokens, parents = torch.randint(0, V, (T,)).tolist(), [-1] + list(range(T - 1))
+    cap = ExpertBudget(budget)
+
+    def step():
+        m.verify(cache, [tokens], [parents], budget=cap)
+        cache.pending = None
+
+    routing = moe.route_experts
+    recorded = []
+    moe.route_experts = lambda *a, **k: recorded.append(routing(*a, **k)) or recorded[-1]
+    try:
+        m.backend_name = "reference"
+        step()
+        torch.cuda.synchronize()
+        replayed = itertools.cycle(recorded)
+        moe.route_experts = lambda *a, **k: next(replayed)
+        m.backend_name = "graphs"  # (new buckets: captured without the routing kernels)
+        without = event_seconds(step)
+    finally:
+        moe.route_experts = routing
+    m.backend_name = "graphs"
+    return (event_seconds(step) - without) / LAYERS * 1e6
+
+
 def draft_round_ms(batch: int, core: str, K: int = 8, depth: int = 6, total: int = 32, repeats: int = 20) -> float:
     """Median wall-clock ms of one draft round's tree work with the level log-probs on the GPU."""
     from moespec.spec.tree import TreeBuilder
@@ -270,6 +304,10 @@ def main() -> int:
     print(f"routing + budget (T=16, B=32, in a graph): {t_route * 1e6:.1f} us = {100 * t_route * 1e3 / layer_ms:.1f}% "
           f"of a verify layer ({layer_ms:.3f} ms); four launches: {t_route_4 * 1e6:.1f} us")
     results.update(route_us=t_route * 1e6, route_four_launches_us=t_route_4 * 1e6, layer_ms=layer_ms)
+    save()
+    in_step = results["route_in_step_us"] = routing_in_step_us(m, cache)
+    print(f"routing + budget inside the captured verify step (T=16, B=32; the step without it): {in_step:.1f} us a "
+          f"layer = {100 * in_step / (layer_ms * 1e3):.1f}% of a verify layer")
     save()
     step_parts = results["eagle3_step_ms"] = {}
     step_kernels = results["eagle3_step_kernels"] = {}
