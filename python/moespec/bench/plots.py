@@ -122,9 +122,10 @@ def gpu_steps_plot(bench: dict[str, Any], path: Union[str, Path]) -> Path:
     both = any("graphs_reference_forward_ms" in r for r in rows)  # (runs since the fused forward time both)
     series = [("ms", "eager (reference backend)", "o"), ("graphs_reference_forward_ms", "graphs, reference forward", "s"),
               ("graphs_ms", "graphs (fused forward)" if both else "graphs", "D"),
+              ("replay_ms", "the graph's replay alone (no host work)", "v"),
               ("roofline_ms", "roofline (bytes / copy bandwidth)", "_")]
     for key, label, marker in series:
-        points = sorted((r["unique"], r[key]) for r in rows if key in r)
+        points = sorted((r["unique"], r[key]) for r in rows if key in r and r[key] == r[key])  # (NaN: no graph)
         if points:
             left.scatter(*zip(*points), marker=marker, label=label, s=30)
     left.set_yscale("log")
