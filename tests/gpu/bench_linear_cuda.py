@@ -14,11 +14,11 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from gpu_common import copy_bandwidth, graph_seconds, results_saver
+from gpu_common import DEVICE, SMOKE, copy_bandwidth, device_name, graph_seconds, results_saver
 
 from moespec.ops.linear import linear
 
-CUDA = torch.device("cuda")
+CUDA = DEVICE
 SHAPES = {  # name: (N, K), from the published configs
     "qwen3-30b-a3b q/k/v": (5120, 2048),
     "qwen3-30b-a3b o": (2048, 4096),
@@ -30,6 +30,8 @@ SHAPES = {  # name: (N, K), from the published configs
 TOKENS = (1, 4, 16, 64)
 CALLS = 20
 L2_CLEAR = 256 << 20  # bytes of weights cycled through (past any L2)
+if SMOKE:  # (gpu_common: the CPU, tiny shapes)
+    SHAPES, TOKENS, CALLS, L2_CLEAR = {"tiny": (96, 64)}, (1, 4), 2, 1 << 16
 
 
 def timed(fn, pdl: str) -> float:
@@ -47,9 +49,9 @@ def timed(fn, pdl: str) -> float:
 def main() -> int:
     torch.manual_seed(0)
     copy = copy_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}: device copy {copy:.0f} GB/s (read + write)")
+    print(f"device {device_name()}: device copy {copy:.0f} GB/s (read + write)")
     rows = []
-    save = results_saver({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows},
+    save = results_saver({"device": device_name(), "copy_GBps": copy, "rows": rows},
                          "linear_bench.json")  # (after every row)
     for name, (N, K) in SHAPES.items():
         nbytes = N * K * 2

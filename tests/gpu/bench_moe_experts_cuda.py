@@ -18,11 +18,11 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from gpu_common import copy_bandwidth, event_seconds, graph_seconds, results_saver
+from gpu_common import DEVICE, SMOKE, copy_bandwidth, device_name, event_seconds, graph_seconds, results_saver, sync
 
 from moespec.ops import moe_experts
 
-CUDA = torch.device("cuda")
+CUDA = DEVICE
 SHAPES = {  # name: (H, I, E, top-k), from the published configs
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "olmoe-1b-7b": (2048, 1024, 64, 8),
@@ -30,6 +30,9 @@ SHAPES = {  # name: (H, I, E, top-k), from the published configs
 }
 TOKENS = (1, 4, 16, 64)
 CALLS = 20
+PREFILL = (64, 128, 256, 512, 1024, 2048, 4096)
+if SMOKE:  # (gpu_common: the CPU, tiny shapes)
+    SHAPES, TOKENS, CALLS, PREFILL = {"tiny": (64, 32, 16, 2)}, (1, 4), 2, (64,)
 
 
 def routing(T: int, K: int, active: int, E: int):
@@ -69,9 +72,9 @@ def torch_loop(x, ids, weights, gate, up, down):
 def main() -> int:
     torch.manual_seed(0)
     copy = copy_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}: device copy {copy:.0f} GB/s (read + write)")
+    print(f"device {device_name()}: device copy {copy:.0f} GB/s (read + write)")
     rows = []
-    save = results_saver({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows},
+    save = results_saver({"device": device_name(), "copy_GBps": copy, "rows": rows},
                          "moe_experts_bench.json")  # (after every row)
     grouped = hasattr(torch, "_grouped_mm")
     for name, (H, I, E, K) in SHAPES.items():
@@ -88,7 +91,7 @@ def main() -> int:
                 call = lambda: moe_experts(x, ids, weights, experts, I)  # noqa: E731
                 t, plain, four = (launches_seconds(f, d, call) for f, d in (("1", "1"), ("1", "0"), ("0", "1")))
                 ref_ids, ref_w = ids, weights
-                torch.cuda.synchronize()
+                sync()
                 loop = event_seconds(lambda: torch_loop(x, ref_ids, ref_w, gate, up, down), 5)
                 best_torch = loop
                 if grouped:
@@ -125,19 +128,20 @@ def prefill_crossover() -> list[dict]:
     the grouped-GEMM path (moe_experts_grouped), to set moespec.ops.moe.GROUPED_MIN_TOKENS."""
     from moespec.ops.moe import moe_experts_grouped
 
-    H, I, E, K = SHAPES["qwen3-30b-a3b"]
+    name = next(iter(SHAPES))  # (Qwen3-30B-A3B's)
+    H, I, E, K = SHAPES[name]
     experts = (torch.randn(E, 3 * I * H, device=CUDA, dtype=torch.bfloat16) / H**0.5)
     rows = []
     saved = os.environ.get("MOESPEC_GROUPED_MIN_TOKENS")
     os.environ["MOESPEC_GROUPED_MIN_TOKENS"] = "0"  # moe_experts: always the kernel
     try:
-        for T in (64, 128, 256, 512, 1024, 2048, 4096):
+        for T in PREFILL:
             x = torch.randn(T, H, device=CUDA, dtype=torch.bfloat16)
             ids = torch.stack([torch.randperm(E, device=CUDA)[:K] for _ in range(T)]).to(torch.int32)
             weights = torch.full((T, K), 1.0 / K, device=CUDA)
             kernel = event_seconds(lambda: moe_experts(x, ids, weights, experts, I), 5)
             grouped = event_seconds(lambda: moe_experts_grouped(x, ids, weights, experts, I), 5)
-            rows.append({"shape": "qwen3-30b-a3b", "prefill_T": T, "kernel_us": kernel * 1e6,
+            rows.append({"shape": name, "prefill_T": T, "kernel_us": kernel * 1e6,
                          "grouped_us": grouped * 1e6})
             print(f"prefill T={T:5d}: kernel {kernel * 1e6:9.1f} us, grouped GEMM {grouped * 1e6:9.1f} us "
                   f"({'grouped' if grouped < kernel else 'kernel'} faster)")

@@ -26,16 +26,20 @@ import sys
 import time
 
 import torch
-from gpu_common import event_seconds, graph_seconds, results_saver
+from gpu_common import SMOKE, DEVICE, copy_bandwidth, device_name, event_seconds, graph_seconds, results_saver, sync
 
 from moespec.models import TargetModel
 from moespec.models.config import ModelConfig, MoeConfig, RopeConfig
 from moespec.models.weights import LayerWeights, ModelWeights
 from moespec.ops import ExpertBudget, RouterSpec, route_experts
 
-CUDA = torch.device("cuda")
+CUDA = DEVICE
 H, HQ, HKV, D, E, I, K, V, LAYERS = 2048, 32, 4, 128, 128, 768, 8, 32768, 8
 CONTEXT = 512
+ROWS, LATE_ROWS, BUDGETS = (1, 2, 4, 8, 16), (32, 64), (None, 16, 32, 64)  # T of the verify rows, budgets
+if SMOKE:  # (gpu_common: the CPU, tiny shapes)
+    H, HQ, HKV, D, E, I, K, V, LAYERS, CONTEXT = 64, 4, 2, 16, 64, 32, 4, 512, 2, 16
+    ROWS, LATE_ROWS = (1, 16), (32,)
 
 
 def model() -> TargetModel:
@@ -64,12 +68,12 @@ def host_seconds(fn, calls: int = 20) -> float:
     """Host seconds per call of ``fn`` issued back to back without waiting for the GPU: the host's
     own cost of a step (a step whose event time is about this is bound by its host work)."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     clock = time.perf_counter()
     for _ in range(calls):
         fn()
     spent = (time.perf_counter() - clock) / calls
-    torch.cuda.synchronize()
+    sync()
     return spent
 
 
@@ -91,11 +95,11 @@ def profiled(step, label: str, top: int = 12, calls: int = 3) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
             step()
-        torch.cuda.synchronize()
+        sync()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows = sorted(((e.key, e.device_time_total / calls, e.count / calls) for e in events), key=lambda r: -r[1])
     total = sum(e.device_time_total for e in events) / calls
@@ -129,7 +133,7 @@ def routing_in_step_us(m: TargetModel, cache, T: int = 16, budget: int = 32) -> 
     try:
         m.backend_name = "reference"
         step()
-        torch.cuda.synchronize()
+        sync()
         replayed = itertools.cycle(recorded)
         moe.route_experts = lambda *a, **k: next(replayed)
         m.backend_name = "graphs"  # (new buckets: captured without the routing kernels)
@@ -152,13 +156,13 @@ def draft_round_ms(batch: int, core: str, K: int = 8, depth: int = 6, total: int
     roots = torch.zeros(batch, dtype=torch.long, device=CUDA)
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         clock = time.perf_counter()
         builder.expand_root(roots, levels[0].indices, levels[0].values)
         for top in levels[1:]:
             builder.expand(top.indices, top.values)
         builder.finalize()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - clock)
     return sorted(times)[len(times) // 2] * 1e3
 
@@ -187,21 +191,21 @@ def eagle3_step_parts(m: TargetModel, label: str, steps: int = 12) -> tuple[dict
 
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     parts = {"step (as it runs)": (time.perf_counter() - start) / steps * 1e3}
     kernels = profiled(step, f"eagle3 step ({label})", top=16)
     spent: dict[str, float] = {}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             out = fn(*args, **kwargs)
-            torch.cuda.synchronize()
+            sync()
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
             return out
         return wrapper
@@ -221,24 +225,21 @@ def eagle3_step_parts(m: TargetModel, label: str, steps: int = 12) -> tuple[dict
 
 def main() -> int:
     torch.manual_seed(0)
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=CUDA)
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() / event_seconds(lambda: dst.copy_(src)) / 1e9
-    del src, dst
+    copy = copy_bandwidth()
     m = model()
     dense = sum(t.numel() * 2 for layer in m.weights.layers for t in (layer.qkv, layer.o, layer.router)) + \
         m.weights.lm_head.numel() * 2
     expert_bytes = 3 * I * H * 2
     cache = m.new_cache(1, CONTEXT + 80)
     m.prefill(cache, [torch.randint(0, V, (CONTEXT,)).tolist()])
-    print(f"device {torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; model {LAYERS} layers, dense "
+    print(f"device {device_name()}: copy {copy:.0f} GB/s; model {LAYERS} layers, dense "
           f"{dense / 1e6:.0f} MB, {expert_bytes / 1e6:.1f} MB per expert")
     rows = []
-    results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows}
+    results = {"device": device_name(), "copy_GBps": copy, "rows": rows}
     save = results_saver(results, "runtime_bench.json")  # (after every row)
     def verify_rows(Ts):  # each T with the budget off and each budget that binds
-        for T, B in ((T, B) for T in Ts for B in (None, 16, 32, 64)):
-            if B is not None and T * K <= B:
+        for T, B in ((T, B) for T in Ts for B in BUDGETS):
+            if B is not None and (T * K <= B or B < K):
                 continue  # the budget cannot bind
             tokens = torch.randint(0, V, (T,)).tolist()
             parents = [-1] + list(range(T - 1))
@@ -271,7 +272,7 @@ def main() -> int:
             t_moe_four = graphs_with(MOESPEC_MOE_FUSED="0")  # the MoE kernel's four launches
             t_torch_linear = graphs_with(MOESPEC_CUDA_LINEAR="0")  # torch's GEMM for the projections
             m.backend_name = "graphs"  # graphs of the fused forward (moespec.runtime.fused): the default
-            assert m.backend.fused is not None
+            assert m.backend.fused is not None or SMOKE
             t_graph = event_seconds(step)
             bucket = next(reversed(m.backend.steps.values()))  # (this call's: the most recently used)
             t_replay = event_seconds(bucket.graph.replay) if bucket.graph is not None else float("nan")
@@ -291,7 +292,7 @@ def main() -> int:
                   f"{kept:6.1f} experts/layer, roofline {roof * 1e3:6.3f} ms (graphs {t_graph / roof:5.2f}x)")
             save()
 
-    verify_rows((1, 2, 4, 8, 16))  # the target's (T <= 16) first: a run stopped by its limit keeps them
+    verify_rows(ROWS)  # the target's (T <= 16) first: a run stopped by its limit keeps them
     x = torch.randn(16, H, device=CUDA).to(torch.bfloat16)
     router = m.weights.layers[0].router
     spec = RouterSpec("softmax", K, True)
@@ -332,7 +333,7 @@ def main() -> int:
     save()
     print("draft round (top-k 8, depth 6, 32 nodes; wall clock, synchronised): "
           + ", ".join(f"{k} {v:.3f} ms" for k, v in rounds.items()))
-    verify_rows((32, 64))
+    verify_rows(LATE_ROWS)
     if save():
         print(f"wrote {pathlib.Path(os.environ['OUT']) / 'runtime_bench.json'}")
     return 0

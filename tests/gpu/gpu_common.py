@@ -1,6 +1,10 @@
 """What the GPU tests and timing scripts share: the source tree on sys.path, the module-level skip
 without a CUDA device or a CUDA build, CUDA-event / CUDA-graph timing (medians), the device
-copy bandwidth the timings are held to, and the timings' JSON written as they grow."""
+copy bandwidth the timings are held to, and the timings' JSON written as they grow.
+
+MOESPEC_GPU_SMOKE=1 runs the timing scripts on the CPU with tiny shapes (``SMOKE``, ``DEVICE``: the
+timers then take the host's clock and no graph), so that tests/python/test_gpu_scripts.py finds a
+script's Python errors here rather than in a GPU session's few minutes; the numbers mean nothing."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import torch
 
@@ -31,9 +36,26 @@ def require_cuda_build() -> None:
                     allow_module_level=True)
 
 
+SMOKE = os.environ.get("MOESPEC_GPU_SMOKE") == "1"
+DEVICE = torch.device("cpu" if SMOKE else "cuda")  # where the timing scripts run
+
+
+def sync() -> None:
+    """Waits for the device's work (nothing to wait for on the CPU)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (MOESPEC_GPU_SMOKE=1)"
+
+
 def event_seconds(fn, repeats: int = 9) -> float:
-    """Median seconds of ``fn`` between two CUDA events (after one untimed call)."""
+    """Median seconds of ``fn`` between two CUDA events (after one untimed call); the host's clock
+    in a smoke run."""
     fn()
+    if DEVICE.type != "cuda":
+        return _host_median(fn, repeats)
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -64,15 +86,29 @@ def captured(fn, calls: int = 1):
 
 
 def graph_seconds(fn, calls: int = 20, replays: int = 5) -> float:
-    """Seconds per call of ``fn`` captured ``calls`` times in one CUDA graph (median replay)."""
+    """Seconds per call of ``fn`` captured ``calls`` times in one CUDA graph (median replay); in a smoke
+    run the calls themselves, on the host's clock."""
+    if DEVICE.type != "cuda":
+        fn()
+        return _host_median(fn, replays)
     graph, _ = captured(fn, calls)
     return event_seconds(graph.replay, replays) / calls
+
+
+def _host_median(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        clock = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - clock)
+    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """GB/s of a device-to-device copy, bytes read + written: the better of an eager copy timed by
     events and 5 copies in a graph (the yardstick is the faster: the stricter target)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    nbytes = min(nbytes, 1 << 20) if SMOKE else nbytes
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     t = min(event_seconds(lambda: dst.copy_(src)), graph_seconds(lambda: dst.copy_(src), calls=5))
     return 2 * nbytes / t / 1e9

@@ -1,0 +1,54 @@
+"""The GPU check's timing scripts (tests/gpu/bench_{runtime,moe_experts,linear}_cuda.py) run end to end
+on the CPU with tiny shapes (MOESPEC_GPU_SMOKE=1, tests/gpu/gpu_common.py): a script's Python error
+shows here, not in a GPU session's few minutes of device time (where run.sh would also rerun it on its
+fallback path). Each writes its JSON with every section the GPU run writes, which tests/gpu/tables.py
+and tests/gpu/plot_results.py read. The numbers mean nothing on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPTS = {  # script -> its JSON and the keys the GPU run's JSON has
+    "bench_runtime_cuda.py": ("runtime_bench.json", {"device", "copy_GBps", "rows", "route_us", "route_in_step_us",
+                                                     "layer_ms", "eagle3_step_ms", "eagle3_step_kernels", "kernels",
+                                                     "draft_round_ms"}),
+    "bench_moe_experts_cuda.py": ("moe_experts_bench.json", {"device", "copy_GBps", "rows"}),
+    "bench_linear_cuda.py": ("linear_bench.json", {"device", "copy_GBps", "rows"}),
+}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_smoke")
+    env = {**os.environ, "MOESPEC_GPU_SMOKE": "1", "OUT": str(out), "PYTHONPATH": str(ROOT / "python")}
+    runs = {script: subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / script)], cwd=ROOT, env=env,
+                                   capture_output=True, text=True, timeout=600) for script in SCRIPTS}
+    return out, runs
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_a_timing_script_runs_and_writes_its_json(smoke, script):
+    out, runs = smoke
+    run = runs[script]
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    name, keys = SCRIPTS[script]
+    got = json.loads((out / name).read_text())
+    assert keys <= set(got) and got["rows"], sorted(got)
+
+
+def test_the_tables_and_plots_read_the_smoke_runs_json(smoke, tmp_path):
+    out, _ = smoke
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "tables.py"), str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.count("- target") == 5, done.stdout + done.stderr
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "plot_results.py"), str(out), "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert {p.name for p in tmp_path.glob("*.png")} >= {"gpu_steps.png", "gpu_moe_kernel.png", "gpu_linear.png"}
