@@ -51,9 +51,13 @@ def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    # (a caller's tensor that is pinned already is copied first: the caller may write it again before
-    # the DMA has read it)
-    return (t.clone() if t.is_pinned() else t).pin_memory().to(device, non_blocking=True)
+    return _pinned(t).to(device, non_blocking=True)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned copy of host tensor ``t`` for an asynchronous DMA (a caller's tensor that is pinned
+    already is copied too: the caller may write it again before the DMA has read it)."""
+    return (t.clone() if t.is_pinned() else t).pin_memory()
 
 
 def copy_from_host(dest: torch.Tensor, data) -> torch.Tensor:
@@ -64,4 +68,4 @@ def copy_from_host(dest: torch.Tensor, data) -> torch.Tensor:
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dest.dtype)
     if dest.device.type != "cuda" or t.device.type != "cpu":
         return dest.copy_(t)
-    return dest.copy_((t.clone() if t.is_pinned() else t).pin_memory(), non_blocking=True)
+    return dest.copy_(_pinned(t), non_blocking=True)

@@ -12,7 +12,6 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 import torch
 
@@ -96,12 +95,9 @@ def graph_seconds(fn, calls: int = 20, replays: int = 5) -> float:
 
 
 def _host_median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        clock = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - clock)
-    return sorted(times)[len(times) // 2]
+    from moespec.bench.roofline import _median_s  # (the CPU benches' timer)
+
+    return _median_s(fn, repeats, warmup=0)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
