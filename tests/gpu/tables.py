@@ -89,11 +89,23 @@ def runtime_section(bench: dict) -> list[str]:
     for label, parts in bench.get("eagle3_step_ms", {}).items():
         lines.append(f"- eagle3 step ({label}): " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items()))
     for label, k in bench.get("eagle3_step_kernels", {}).items():
-        lines.append(f"- eagle3 step kernels ({label}): {k['kernels']:.0f} a step, {k['gpu_us']:.0f} us of GPU time")
+        lines.append(f"- eagle3 step kernels ({label}): {k['kernels']:.0f} a step, {k['gpu_us']:.0f} us of GPU time"
+                     + _idle(k))
+    for T, k in bench.get("kernels", {}).items():
+        lines.append(f"- verify step kernels (T = {T}, graphs): {k['kernels']:.0f} a step, {k['gpu_us']:.0f} us of GPU "
+                     f"time" + _idle(k))
     if "draft_round_ms" in bench:
         lines.append("- draft round (top-k 8, depth 6, 32 nodes): "
                      + ", ".join(f"{k} {v:.3f} ms" for k, v in bench["draft_round_ms"].items()))
     return lines
+
+
+def _idle(k: dict) -> str:
+    """A profiled call's timeline (since 2026-12-06): how long the GPU sat idle inside it."""
+    if "span_us" not in k:
+        return ""
+    return (f"; one call {k['span_us']:.0f} us on the GPU's clock, {k['idle_us']:.0f} us of it idle "
+            f"({100 * k['idle_us'] / max(k['span_us'], 1e-9):.0f}%: launch gaps, host waits)")
 
 
 def linear_section(bench: dict) -> list[str]:

@@ -287,7 +287,6 @@ def test_head_corpus_prompt_texts_respect_the_split(tmp_path):
     from dataclasses import replace
 
     from moespec.data import prompts
-    from moespec.default_model import pipeline as pl
 
     rows = {"mtbench": [{"question_id": i, "turns": [f"question {i}", "again"]} for i in range(40)],
             "humaneval": [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "canonical_solution": "    pass\n"}

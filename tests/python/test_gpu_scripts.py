@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = {  # script -> its JSON and the keys the GPU run's JSON has
@@ -41,6 +43,22 @@ def test_a_timing_script_runs_and_writes_its_json(smoke, script):
     name, keys = SCRIPTS[script]
     got = json.loads((out / name).read_text())
     assert keys <= set(got) and got["rows"], sorted(got)
+    if script == "bench_runtime_cuda.py":  # the profiled calls' timelines
+        for k in list(got["kernels"].values()) + list(got["eagle3_step_kernels"].values()):
+            assert 0 < k["busy_us"] <= k["span_us"] + 1e-6 and k["idle_us"] == pytest.approx(k["span_us"] - k["busy_us"])
+            assert k["sequence"] and all(len(row) == 3 and row[2] > 0 for row in k["sequence"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=12))
+def test_the_timelines_busy_time_is_the_union_of_the_kernels(pairs):
+    """bench_runtime_cuda.union_length against counting the unit cells the intervals cover."""
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    from bench_runtime_cuda import union_length
+
+    intervals = [(float(s), float(s + n)) for s, n in pairs]
+    covered = {cell for s, n in pairs for cell in range(s, s + n)}
+    assert union_length(intervals) == len(covered)
 
 
 def test_the_tables_and_plots_read_the_smoke_runs_json(smoke, tmp_path):

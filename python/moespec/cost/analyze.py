@@ -19,7 +19,6 @@ status 2 (see README "moespec analyze"). Outputs are written atomically.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence

@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from moespec.default_model.corpus import Corpus, prompt_set_texts
 from moespec.bench.report import write_json_atomic

@@ -254,7 +254,7 @@ def load_weights(ckpt: Checkpoint, cfg: ModelConfig, names: TensorNames, dtype: 
                  progress: bool = False) -> ModelWeights:
     """Reads and converts every tensor the runtime needs (shape-checked) into its layout."""
     read = _Reader(ckpt, dtype)
-    H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
+    H, Hq, V = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
     layers = []
     for i in tqdm(range(cfg.num_layers), desc="loading layers", disable=not progress, leave=False):
         attn = names.attn.format(i=i)

@@ -45,7 +45,7 @@ from moespec.runtime.graphs import capture
 if TYPE_CHECKING:
     from moespec.spec.eagle3 import DraftCache
     from moespec.spec.eagle3_policy import Eagle3Policy
-    from moespec.spec.tree import DraftTree, TreeBuilder
+    from moespec.spec.tree import TreeBuilder
 
 
 class StaticDraftRound:

@@ -172,7 +172,7 @@ class TorchTreeCore:
         paths [B, M, L], num_leaves and max_depth [B])."""
         if self.levels < 1:
             raise ValueError("finalize: the trees have no root yet: call expand_root first")
-        B, C, N = self.batch, self.num_candidates, self.num_nodes
+        C, N = self.num_candidates, self.num_nodes
         M, L = N - 1, self.levels + 1
         if self.kernels:
             self._finalize_kernel(out, C)
