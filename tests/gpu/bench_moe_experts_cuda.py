@@ -18,7 +18,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from gpu_common import DEVICE, SMOKE, copy_bandwidth, device_name, event_seconds, graph_seconds, results_saver, sync
+from gpu_common import (DEVICE, SMOKE, captured, copy_bandwidth, device_name, event_seconds, graph_seconds, results_saver,
+                        sync, timeline)
 
 from moespec.ops import moe_experts
 
@@ -74,8 +75,8 @@ def main() -> int:
     copy = copy_bandwidth()
     print(f"device {device_name()}: device copy {copy:.0f} GB/s (read + write)")
     rows = []
-    save = results_saver({"device": device_name(), "copy_GBps": copy, "rows": rows},
-                         "moe_experts_bench.json")  # (after every row)
+    results = {"device": device_name(), "copy_GBps": copy, "rows": rows}
+    save = results_saver(results, "moe_experts_bench.json")  # (after every row)
     grouped = hasattr(torch, "_grouped_mm")
     for name, (H, I, E, K) in SHAPES.items():
         experts = (torch.randn(E, 3 * I * H, device=CUDA, dtype=torch.bfloat16) / H**0.5)
@@ -117,10 +118,32 @@ def main() -> int:
                 r2 = 1 - float(((y - A @ coef) ** 2).sum() / ((y - y.mean()) ** 2).sum())
                 print(f"{name:14s} T={T:3d} linear in active experts: R^2 = {r2:.4f}")
                 rows.append({"shape": name, "T": T, "r2": r2})
+    results["timelines"] = timelines()
+    save()
     rows += prefill_crossover()
     if save():
         print(f"wrote {pathlib.Path(os.environ['OUT']) / 'moe_experts_bench.json'}")
     return 0
+
+
+def timelines() -> dict:
+    """Where one call goes on the GPU's clock at the fewest experts (top-k), T = 1 and 16, per shape:
+    :func:`gpu_common.timeline` of a graph holding one call (its kernels' durations in order and the
+    idle time between them), e.g. gate/up against down, and what the launches between them cost."""
+    out = {}
+    for name, (H, I, E, K) in SHAPES.items():
+        experts = torch.randn(E, 3 * I * H, device=CUDA, dtype=torch.bfloat16) / H**0.5
+        for T in (1, 16):
+            x = torch.randn(T, H, device=CUDA, dtype=torch.bfloat16)
+            ids, weights = routing(T, K, K, E)
+            call = lambda: moe_experts(x, ids, weights, experts, I)  # noqa: E731
+            replay = captured(call)[0].replay if DEVICE.type == "cuda" else call
+            line = out[f"{name} T={T} active={K}"] = timeline(replay)
+            kernels = ", ".join(f"{n.rsplit('::', 1)[-1]} {d:.1f} us" for n, _, d in line["sequence"][:6])
+            print(f"{name:14s} T={T:3d} active={K:4d}: one call {line['span_us']:.1f} us on the GPU's clock, "
+                  f"{line['idle_us']:.1f} us idle; {kernels}")
+        del experts
+    return out
 
 
 def prefill_crossover() -> list[dict]:

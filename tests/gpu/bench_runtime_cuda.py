@@ -26,7 +26,8 @@ import sys
 import time
 
 import torch
-from gpu_common import SMOKE, DEVICE, copy_bandwidth, device_name, event_seconds, graph_seconds, results_saver, sync
+from gpu_common import (DEVICE, SMOKE, copy_bandwidth, device_name, event_seconds, graph_seconds, results_saver, sync,
+                        timeline)
 
 from moespec.models import TargetModel
 from moespec.models.config import ModelConfig, MoeConfig, RopeConfig
@@ -112,51 +113,6 @@ def profiled(step, label: str, top: int = 12, calls: int = 3) -> dict:
           f"end, {line['busy_us']:.0f} us with a kernel running, {line['idle_us']:.0f} us idle "
           f"({100 * line['idle_us'] / max(line['span_us'], 1e-9):.0f}%)")
     return {"gpu_us": total, "kernels": launches, "top": [[n, us, c] for n, us, c in rows[:top]], **line}
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of [start, end) intervals (in any order; overlaps count once)."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def timeline(step, first: int = 64) -> dict:
-    """One call of ``step`` under torch's profiler, on the GPU's clock: ``span_us`` from its first
-    kernel's start to its last kernel's end, ``busy_us`` the union of its kernels' intervals (kernels
-    that overlap, as programmatic dependents do, count once), ``idle_us`` = span - busy (the GPU
-    waiting inside the call: launch gaps between kernels, the host), and ``sequence``: its first
-    ``first`` kernels in order as [name, start us after the first kernel's start, duration us]. What
-    the call would gain from fewer kernels (a fusion) is at most its idle time plus the kernels'
-    ramps. (A smoke run: the host's op intervals.)"""
-    import re
-
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    on_gpu = DEVICE.type == "cuda"
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
-        step()
-        sync()
-    kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == kind and e.time_range.end > e.time_range.start)
-    if not spans:
-        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "sequence": []}
-    busy = union_length([(start, end) for start, end, _ in spans])
-    origin = spans[0][0]
-    span = max(end for _, end, _ in spans) - origin
-
-    def short(name: str) -> str:
-        name = re.sub(r"\(anonymous namespace\)::|^void ", "", name)
-        return name.split("(", 1)[0][:80]
-
-    return {"span_us": span, "busy_us": busy, "idle_us": span - busy,
-            "sequence": [[short(n), round(s - origin, 2), round(e - s, 2)] for s, e, n in spans[:first]]}
 
 
 def routing_in_step_us(m: TargetModel, cache, T: int = 16, budget: int = 32) -> float:

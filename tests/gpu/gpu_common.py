@@ -1,6 +1,7 @@
 """What the GPU tests and timing scripts share: the source tree on sys.path, the module-level skip
 without a CUDA device or a CUDA build, CUDA-event / CUDA-graph timing (medians), the device
-copy bandwidth the timings are held to, and the timings' JSON written as they grow.
+copy bandwidth the timings are held to, the timings' JSON written as they grow, and one call's
+kernel timeline (busy and idle time on the GPU's clock).
 
 MOESPEC_GPU_SMOKE=1 runs the timing scripts on the CPU with tiny shapes (``SMOKE``, ``DEVICE``: the
 timers then take the host's clock and no graph), so that tests/python/test_gpu_scripts.py finds a
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import sys
 
 import torch
@@ -124,3 +126,46 @@ def results_saver(results: dict, name: str):
         tmp.replace(path)
         return True
     return save
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals (in any order; overlaps count once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def timeline(step, first: int = 64) -> dict:
+    """One call of ``step`` under torch's profiler, on the GPU's clock: ``span_us`` from its first
+    kernel's start to its last kernel's end, ``busy_us`` the union of its kernels' intervals (kernels
+    that overlap, as programmatic dependents do, count once), ``idle_us`` = span - busy (the GPU
+    waiting inside the call: launch gaps between kernels, the host), and ``sequence``: its first
+    ``first`` kernels in order as [name, start us after the first kernel's start, duration us]. What
+    the call would gain from fewer kernels (a fusion) is at most its idle time plus the kernels'
+    ramps. (A smoke run: the host's op intervals.)"""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = DEVICE.type == "cuda"
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        step()
+        sync()
+    kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == kind and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "sequence": []}
+    busy = union_length([(start, end) for start, end, _ in spans])
+    origin = spans[0][0]
+    span = max(end for _, end, _ in spans) - origin
+
+    def short(name: str) -> str:
+        name = re.sub(r"\(anonymous namespace\)::|^void ", "", name)
+        return name.split("(", 1)[0][:80]
+
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "sequence": [[short(n), round(s - origin, 2), round(e - s, 2)] for s, e, n in spans[:first]]}

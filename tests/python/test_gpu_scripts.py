@@ -21,7 +21,7 @@ SCRIPTS = {  # script -> its JSON and the keys the GPU run's JSON has
     "bench_runtime_cuda.py": ("runtime_bench.json", {"device", "copy_GBps", "rows", "route_us", "route_in_step_us",
                                                      "layer_ms", "eagle3_step_ms", "eagle3_step_kernels", "kernels",
                                                      "draft_round_ms"}),
-    "bench_moe_experts_cuda.py": ("moe_experts_bench.json", {"device", "copy_GBps", "rows"}),
+    "bench_moe_experts_cuda.py": ("moe_experts_bench.json", {"device", "copy_GBps", "rows", "timelines"}),
     "bench_linear_cuda.py": ("linear_bench.json", {"device", "copy_GBps", "rows"}),
 }
 
@@ -43,18 +43,20 @@ def test_a_timing_script_runs_and_writes_its_json(smoke, script):
     name, keys = SCRIPTS[script]
     got = json.loads((out / name).read_text())
     assert keys <= set(got) and got["rows"], sorted(got)
-    if script == "bench_runtime_cuda.py":  # the profiled calls' timelines
-        for k in list(got["kernels"].values()) + list(got["eagle3_step_kernels"].values()):
-            assert 0 < k["busy_us"] <= k["span_us"] + 1e-6 and k["idle_us"] == pytest.approx(k["span_us"] - k["busy_us"])
-            assert k["sequence"] and all(len(row) == 3 and row[2] > 0 for row in k["sequence"])
+    lines = list(got.get("timelines", {}).values())  # the profiled calls' timelines
+    if script == "bench_runtime_cuda.py":
+        lines += list(got["kernels"].values()) + list(got["eagle3_step_kernels"].values())
+    for k in lines:
+        assert 0 < k["busy_us"] <= k["span_us"] + 1e-6 and k["idle_us"] == pytest.approx(k["span_us"] - k["busy_us"])
+        assert k["sequence"] and all(len(row) == 3 and row[2] > 0 for row in k["sequence"])
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=12))
 def test_the_timelines_busy_time_is_the_union_of_the_kernels(pairs):
-    """bench_runtime_cuda.union_length against counting the unit cells the intervals cover."""
+    """gpu_common.union_length against counting the unit cells the intervals cover."""
     sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-    from bench_runtime_cuda import union_length
+    from gpu_common import union_length
 
     intervals = [(float(s), float(s + n)) for s, n in pairs]
     covered = {cell for s, n in pairs for cell in range(s, s + n)}
