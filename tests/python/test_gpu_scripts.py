@@ -72,3 +72,37 @@ def test_the_tables_and_plots_read_the_smoke_runs_json(smoke, tmp_path):
                            str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert {p.name for p in tmp_path.glob("*.png")} >= {"gpu_steps.png", "gpu_moe_kernel.png", "gpu_linear.png"}
+
+
+# Collecting the GPU tests here: torch and moespec told that a CUDA device and kernels are there (only
+# for the collection, in a child process), so that the modules import and parametrize as on a GPU.
+COLLECT = """
+import sys, torch
+torch.cuda.is_available = lambda: True
+from moespec._loader import native
+native().cuda_available = lambda: True
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"] + sys.argv[1:]))
+"""
+
+
+def _collected(*args: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    done = subprocess.run([sys.executable, "-c", COLLECT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def test_the_gpu_tests_collect_and_the_sanitizers_cases_select_some():
+    """Every tests/gpu/test_*.py imports and parametrizes (a module-level mistake shows here, not on a
+    GPU), and each -k expression of tests/gpu/sanitize.py selects tests of its file (a renamed test
+    would leave the sanitizer checking nothing: pytest's exit 5, a failed step on the GPU)."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
+    ids = _collected(*files)
+    assert {i.split("::")[0] for i in ids} == set(files)
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    from sanitize import CASES
+
+    for path, expression in CASES.items():
+        assert _collected(path, "-k", expression), f"{path}: -k {expression!r} selects no test"
