@@ -87,6 +87,24 @@ def test_tree_attention_is_each_tokens_softmax_over_what_it_sees(window, sinks, 
                 assert torch.allclose(got[p, h], want, atol=1e-12), (b, p, h)
 
 
+def test_tree_attention_reads_host_bounds_where_given():
+    """``bounds`` (the offsets on the host) replace the device offsets in the torch version, which then
+    reads nothing back (a captured round's torch attention on a GPU, MOESPEC_FUSED_STEP=0): with the
+    device offsets zeroed, the result is still the offsets' own; bounds of another length are refused."""
+    gen = torch.Generator().manual_seed(4)
+    offsets, Hq, Hkv, D, S = [0, 3, 5], 4, 2, 8, 16
+    q = torch.randn(5, Hq, D, generator=gen)
+    k, v = (torch.randn(2, Hkv, S, D, generator=gen) for _ in range(2))
+    start, words = torch.tensor([2, 6]), torch.full((5, 1), 0b111, dtype=torch.int32)
+    want = tree_attention(q, k, v, start, torch.tensor(offsets), attention_groups(offsets), words, 0.3)
+    zeroed = torch.zeros(3, dtype=torch.long)  # (what a read of the device would see instead)
+    got = tree_attention(q, k, v, start, zeroed, attention_groups(offsets), words, 0.3, bounds=offsets)
+    assert torch.equal(got, want)
+    assert not torch.equal(tree_attention(q, k, v, start, zeroed, attention_groups(offsets), words, 0.3), want)
+    with pytest.raises(ValueError, match="^bounds: 2 host offsets for 3 on the device"):
+        tree_attention(q, k, v, start, zeroed, attention_groups(offsets), words, 0.3, bounds=[0, 5])
+
+
 def test_attention_groups_cover_each_request_in_runs_of_eight():
     assert attention_groups([0, 3, 3, 20]).tolist() == [[0, 0, 3], [2, 3, 8], [2, 11, 8], [2, 19, 1]]
     assert attention_groups([0, 0]).shape == (0, 3)

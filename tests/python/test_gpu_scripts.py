@@ -63,6 +63,28 @@ def test_the_timelines_busy_time_is_the_union_of_the_kernels(pairs):
     assert union_length(intervals) == len(covered)
 
 
+def _fallback_env() -> dict:
+    """tests/gpu/run.sh's FALLBACK settings (the environment a failed timing script is rerun with)."""
+    text = (ROOT / "tests" / "gpu" / "run.sh").read_text()
+    words = text.split("FALLBACK=(", 1)[1].split(")", 1)[0].split()
+    return dict(word.split("=", 1) for word in words)
+
+
+@pytest.mark.parametrize("script", ["bench_runtime_cuda.py", "bench_moe_experts_cuda.py"])
+def test_a_timing_script_runs_on_run_shs_fallback_path(script, tmp_path):
+    """The rerun tests/gpu/run.sh makes of a timing script that failed on the defaults, with every newer
+    piece switched off (its FALLBACK settings), runs too (until 2026-12-06 the runtime bench's
+    fused-forward assertion stopped it at its first row)."""
+    fallback = _fallback_env()
+    assert fallback.get("MOESPEC_FUSED_STEP") == "0" and len(fallback) >= 5, fallback
+    env = {**os.environ, **fallback, "MOESPEC_GPU_SMOKE": "1", "OUT": str(tmp_path),
+           "PYTHONPATH": str(ROOT / "python")}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / script)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert json.loads((tmp_path / SCRIPTS[script][0]).read_text())["rows"]
+
+
 def test_the_tables_and_plots_read_the_smoke_runs_json(smoke, tmp_path):
     out, _ = smoke
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "tables.py"), str(out)], capture_output=True,

@@ -316,6 +316,38 @@ def _host_reads(monkeypatch, step, steps: int) -> collections.Counter:
     return reads
 
 
+def test_the_captured_round_and_catch_up_read_nothing_back(folder, monkeypatch):
+    """What a GPU captures of an eagle3 step (the draft round, the catch-up) reads no tensor back on
+    the host, the torch versions of the decoder ops included (a GPU's MOESPEC_FUSED_STEP=0, the CPU's
+    bodies here): a capture refuses the synchronisation. Until 2026-12-06 the torch tree attention
+    read its packing offsets back (tolist), so a GPU run with MOESPEC_FUSED_STEP=0 failed at its
+    first draft-round capture."""
+    import traceback
+
+    from moespec.spec.eagle3_policy import Eagle3Policy
+
+    target, head = _gpu_like_paths(folder, monkeypatch)
+    policy = Eagle3Policy(target, head, SpeculativeConfig("eagle3", depth=4, top_k=4, total_tokens=8))
+    run, requests, step = started(policy, [SamplingParams(max_tokens=40, ignore_eos=True)] * 2)
+    reads = collections.Counter()
+
+    def counted(name, fn):
+        def read(self, *args, **kwargs):
+            stack = traceback.extract_stack()[:-1]
+            if any(f.filename.endswith("moespec/spec/draft_graph.py") and f.name in ("_round", "_call") for f in stack):
+                reads[f"{name} at {stack[-1].filename.rsplit('/', 1)[-1]}:{stack[-1].lineno}"] += 1
+            return fn(self, *args, **kwargs)
+        return read
+
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+        for _ in range(3):  # (the captures, then replays)
+            step()
+    assert policy._static.graph is not None and policy._catch_ups
+    assert not reads, dict(reads)
+
+
 def test_a_greedy_ar_step_reads_the_device_back_once(folder, monkeypatch):
     """Plain decoding of a batch on the graphs backend, with the argmax as a GPU takes it: one host
     read a step (the batch's tokens in one copy), not one a request (2026-12-06)."""

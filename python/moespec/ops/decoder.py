@@ -124,7 +124,7 @@ def attention_groups(offsets: Sequence[int]) -> torch.Tensor:
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
                    offsets: torch.Tensor, groups: torch.Tensor, words: torch.Tensor, scale: float, *,
                    spans: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None, window: int = 0,
-                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   sinks: Optional[torch.Tensor] = None, bounds: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Attention of the packed tokens q [P, Hq, D] (request b's are the rows [offsets[b],
     offsets[b + 1]), ``offsets`` long [B + 1]; ``groups``: :func:`attention_groups` of them) over
     k_cache, v_cache [B, Hkv, S_max, D]: token p of request b sees the committed slots [0, start[b])
@@ -134,7 +134,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     less than ``window`` behind its own (``positions`` long [P]; a committed slot's position is its
     index); ``sinks`` [Hq]: each head's sink logit in every softmax's denominator (GPT-OSS). Softmax
     in fp32 (with sinks: as :func:`moespec.runtime.attention.attention_with_sinks` computes it).
-    Returns [P, Hq, D]. On CUDA only slots below start[b] + (its token count) are read."""
+    Returns [P, Hq, D]. On CUDA only slots below start[b] + (its token count) are read. ``bounds``:
+    ``offsets`` on the host, where the caller has them: the torch version (MOESPEC_FUSED_STEP=0 on
+    CUDA) reads them instead of copying ``offsets`` back, a synchronisation that a CUDA graph's
+    capture refuses (the draft head's captured round and catch-up pass them)."""
     P, Hq, D = q.shape
     if window and positions is None:
         raise ValueError("positions: needed with a sliding window")
@@ -149,7 +152,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                                 view(out, "out"), float(scale), int(window), view(workspace, "workspace"), _stream(q))
         return out
     S, out = k_cache.shape[2], torch.zeros_like(q)
-    bounds = offsets.tolist()
+    bounds = offsets.tolist() if bounds is None else list(bounds)
+    if len(bounds) != offsets.shape[0]:
+        raise ValueError(f"bounds: {len(bounds)} host offsets for {offsets.shape[0]} on the device")
     for b, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if end > begin:
             out[begin:end] = _attend_request(q[begin:end], k_cache[b:b + 1], v_cache[b:b + 1], start[b:b + 1],

@@ -340,16 +340,16 @@ class Eagle3Head(nn.Module):
         if write is None:
             write = torch.where(slots >= 0, start[:, None] + slots, cache.max_len)  # padding (-1): the discard slot
         key = (B, T, span, x.device)
+        bounds = range(0, B * T + 1, T)  # T entries a request
         if key not in self._packing:  # (made on a round's eager run, before a capture; kept: a graph reads them)
-            bounds = list(range(0, B * T + 1, T))
-            self._packing[key] = (to_device(bounds, x.device, torch.long),
+            self._packing[key] = (to_device(list(bounds), x.device, torch.long),
                                   to_device(decoder_ops.attention_groups(bounds), x.device),
                                   to_device([span] * B, x.device, torch.long),
                                   to_device([b for b in range(B) for _ in range(T)], x.device, torch.long))
         offsets, groups, spans, requests = self._packing[key]
         q = self._attention_inputs(cache, x, positions, write, requests, rope)  # [B T, Hq, D]
         o = decoder_ops.tree_attention(q, cache.k, cache.v, start, offsets, groups, words, c.head_dim ** -0.5,
-                                       spans=spans)
+                                       spans=spans, bounds=bounds)  # (the torch version: no read back, capturable)
         return self._outputs(self._finish(residual, o.view(B, T, -1, c.head_dim).transpose(1, 2)), slots, last_only,
                              last)
 
