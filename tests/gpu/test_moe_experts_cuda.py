@@ -37,11 +37,17 @@ def launches(request, monkeypatch):
     return request.param
 
 
-def make(T, H, I, E, K, dtype, seed, *, drop=0.1, zero=0.1, repeats=False):
-    """x [T, H], ids [T, K] (some E: dropped), weights [T, K] (some 0), experts [E, 3 I H] (CPU)."""
+def make(T, H, I, E, K, dtype, seed, *, drop=0.1, zero=0.1, repeats=False, experts_on="cpu"):
+    """x [T, H], ids [T, K] (some E: dropped), weights [T, K] (some 0), experts [E, 3 I H] (CPU; made
+    on ``experts_on`` from its own generator where that is CUDA: Qwen3's 128 experts are 600 M values,
+    seconds on the host)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen).to(dtype)
-    experts = (torch.randn(E, 3 * I * H, generator=gen) / H**0.5).to(dtype)
+    if experts_on == "cpu":
+        experts = (torch.randn(E, 3 * I * H, generator=gen) / H**0.5).to(dtype)
+    else:
+        on = torch.Generator(experts_on).manual_seed(seed)
+        experts = (torch.randn(E, 3 * I * H, generator=on, device=experts_on) / H**0.5).to(dtype)
     if repeats:
         ids = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
     else:
@@ -200,7 +206,7 @@ def test_fused_pair_gives_the_four_launches_bits(T, H, I, E, K, monkeypatch, lau
     """The fused pair runs the same tensor-core passes and sums each token's slots in the same (id, k)
     order as the four launches: the same bits, with and without programmatic dependent launch, up to
     T K = 1024 slots (T = 129 with K = 8 is past it: the four launches either way)."""
-    x, ids, weights, experts = (t.to(CUDA) for t in make(T, H, I, E, K, torch.bfloat16, seed=T + E))
+    x, ids, weights, experts = (t.to(CUDA) for t in make(T, H, I, E, K, torch.bfloat16, seed=T + E, experts_on=CUDA))
     got = moe_experts(x, ids, weights, experts, I)
     monkeypatch.setenv("MOESPEC_MOE_FUSED", "0")
     assert torch.equal(got, moe_experts(x, ids, weights, experts, I)), launches

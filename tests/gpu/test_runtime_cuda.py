@@ -109,6 +109,7 @@ def test_graph_replay_equals_eager(folder, fused, pdl, monkeypatch):
     monkeypatch.setenv("MOESPEC_FUSED_STEP", fused)
     monkeypatch.setenv("MOESPEC_PDL", pdl)
     eager = mm.load(folder, "fp32", device="cuda")
+    eager.backend_name = "reference"  # (the CUDA default is "graphs")
     graphs = mm.load(folder, "fp32", device="cuda")
     graphs.backend_name = "graphs"
     assert (graphs.backend.fused is not None) == (fused == "1")
@@ -151,6 +152,7 @@ def test_graphs_over_a_short_cache_survive_a_longer_one(folder):
     rebuilt longer), then the short cache's graphs again: they still read the table they were captured
     with (a freed table's memory, reused and overwritten meanwhile, would give other logits)."""
     eager = mm.load(folder, "fp32", device="cuda")
+    eager.backend_name = "reference"  # (the CUDA default is "graphs")
     graphs = mm.load(folder, "fp32", device="cuda")
     graphs.backend_name = "graphs"
     short = [m.new_cache(1, 48) for m in (eager, graphs)]
@@ -197,7 +199,7 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, d
     _, _, step = started(policy, [SamplingParams(max_tokens=64, ignore_eos=True, **(hot if i else {}))
                                   for i in range(len(PROMPTS))], PROMPTS)
 
-    for _ in range(2):  # graph capture and first allocations
+    for _ in range(4):  # graph captures (the catch-up's buckets too: a capture synchronises) and first allocations
         step()
     torch.cuda.synchronize()
     steps = 4
