@@ -54,13 +54,18 @@ class _Capturing(TorchDispatchMode):
         flat, spec = tree_flatten(got)
         if not all(isinstance(t, torch.Tensor) for t in flat):
             return got  # a host read: the code's CPU-only checks (a GPU's capture would raise)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+        inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor)}
         # a view (no kernel) aliases an input; an op that may alias (to, reshape, ...) can also be a copy
-        outs = [None if t.untyped_storage().data_ptr() in inputs else _fresh(t) for t in flat]
+        outs = [None if _storage(t) in inputs else _fresh(t) for t in flat]
         if any(o is not None for o in outs):
             self.graph.ops.append((func, args, kwargs, outs))
         return spec.unflatten([t if o is None else o for t, o in zip(flat, outs)])
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of t's memory (a virtual CUDA tensor's: its host tensor's, tests/python/virtual_cuda.py)."""
+    return getattr(t, "_host", t).untyped_storage().data_ptr()
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:

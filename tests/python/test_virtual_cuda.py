@@ -1,0 +1,80 @@
+"""tests/python/virtual_cuda.py: the CUDA device played on the CPU refuses and counts what a GPU would,
+and the GPU tests of the runtime and the draft tree (tests/gpu/test_runtime_cuda.py,
+test_draft_tree_cuda.py) pass on it, so that a device mistake in moespec's CUDA branches (a host
+tensor in a device op, a read back inside a captured graph, a synchronisation too many a step) fails
+here, not in a GPU session. (Until 2026-12-06 MOESPEC_FUSED_STEP=0's draft round read its packing
+back inside the capture: the first GPU run would have failed on it; this finds it.)"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from virtual_cuda import VirtualCudaTensor, virtual_cuda
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_device_tensors_mixing_and_host_reads():
+    with virtual_cuda() as mode:
+        a = torch.ones(3, 4, device="cuda")
+        assert isinstance(a, VirtualCudaTensor) and a.is_cuda and a.device == torch.device("cuda", 0)
+        b = (a * 2).sum(0)
+        assert b.is_cuda and b.shape == (4,)
+        with pytest.raises(RuntimeError, match="same device"):
+            a + torch.zeros(3, 4)
+        assert (a + torch.tensor(1.0)).is_cuda  # (a 0-d host tensor is a scalar, as on a GPU)
+        with pytest.raises(TypeError, match="numpy"):
+            a.numpy()
+        assert not mode.syncs
+        assert b.tolist() == [6.0] * 4 and int(b[0]) == 6 and not b.cpu().is_cuda
+        assert len(mode.syncs) == 3 and all("test_virtual_cuda.py" in s for s in mode.syncs), mode.syncs
+        v = a.view(12)
+        v[2:5] = 7.0  # (views alias their base, as on a device)
+        assert float(a[0, 3]) == 7.0
+
+
+def test_copies_to_the_device_block_unless_pinned_and_asynchronous():
+    from moespec._tensor import copy_from_host, to_device
+
+    with virtual_cuda() as mode:
+        dest = torch.zeros(3, dtype=torch.long, device="cuda")
+        del mode.syncs[:]
+        copy_from_host(dest, [1, 2, 3])
+        t = to_device([4, 5], "cuda", torch.long)
+        assert t.is_cuda and not mode.syncs
+        torch.tensor([1, 2], device="cuda")
+        dest.copy_(torch.ones(3, dtype=torch.long))
+        assert len(mode.syncs) == 2 and all("blocking copy to the device" in s for s in mode.syncs)
+
+
+def test_a_graph_records_native_launches_and_refuses_a_read_back():
+    """A captured moespec op (a native launch) runs at each replay on the graph's memory; a host read
+    inside the capture raises, as a real capture does."""
+    from moespec.ops import RouterSpec, route_experts
+    from moespec.runtime.graphs import capture
+
+    with virtual_cuda():
+        logits = torch.zeros(4, 8, device="cuda")
+        graph, routing = capture(lambda: route_experts(logits, RouterSpec("softmax", 2, True)))
+        logits.copy_(torch.arange(32.0).view(4, 8).to("cuda", non_blocking=True))
+        graph.replay()
+        assert routing.ids.is_cuda and routing.ids.tolist() == [[7, 6]] * 4
+        with pytest.raises(RuntimeError, match="while a CUDA graph is captured"):
+            capture(lambda: int(logits.sum()))
+        with pytest.raises(ValueError, match="host tensors"):
+            route_experts(logits, RouterSpec("softmax", 2, True), token_weights=torch.ones(4, 8))
+
+
+def test_the_gpu_tests_of_the_runtime_and_the_draft_tree_pass_on_it():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests" / "python")])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "virtual_cuda", "-p", "no:cacheprovider",
+                          "tests/gpu/test_runtime_cuda.py", "tests/gpu/test_draft_tree_cuda.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
