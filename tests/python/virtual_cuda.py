@@ -310,7 +310,7 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
     real_view, real_native = moespec_tensor.view, loader.native
     real = {name: getattr(torch.Tensor, name) for name in (
         "to", "copy_", "tolist", "numpy", "__getitem__", "__setitem__", "__int__", "__float__", "__bool__",
-        "__index__", "item")}
+        "__index__", "item", "contiguous")}
     real_tensor = torch.tensor
 
     def tensor(data, *args, device=None, **kwargs):
@@ -399,6 +399,11 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
             mode.syncs.add("a blocking copy to the device")
         return real["__setitem__"](self._host, index(idx), getattr(value, "_host", value))
 
+    def contiguous(self, memory_format=torch.contiguous_format):  # (the bindings of this and ~ take a
+        if not isinstance(self, VirtualCudaTensor):                # device guard, which a CPU build lacks)
+            return real["contiguous"](self, memory_format=memory_format)
+        return self if self.is_contiguous(memory_format=memory_format) else self.clone(memory_format=memory_format)
+
     cuda = torch.cuda
     for name, value in (("_lazy_init", lambda: None), ("is_available", lambda: True), ("device_count", lambda: 1),
                         ("current_device", lambda: 0), ("get_device_name", lambda *a: "virtual CUDA (moespec tests)"),
@@ -413,7 +418,8 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
     patch(torch, "tensor", tensor)
     for name, value in (("to", to), ("cuda", lambda self, *a, **k: to(self, "cuda", **k)), ("copy_", copy_),
                         ("numpy", numpy), ("__getitem__", getitem), ("__setitem__", setitem),
-                        ("pin_memory", lambda self, *a: self), ("is_pinned", lambda self, *a: False)):
+                        ("pin_memory", lambda self, *a: self), ("is_pinned", lambda self, *a: False),
+                        ("__invert__", lambda self: torch.bitwise_not(self)), ("contiguous", contiguous)):
         patch(torch.Tensor, name, value)
     for name in ("tolist", "__int__", "__float__", "__bool__", "__index__", "item"):
         patch(torch.Tensor, name, host_read(name))
