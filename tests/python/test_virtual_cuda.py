@@ -78,3 +78,40 @@ def test_the_gpu_tests_of_the_runtime_and_the_draft_tree_pass_on_it():
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def test_moespec_bench_runs_on_cuda(tmp_path):
+    """`moespec bench throughput --device cuda` with EAGLE-3 and a budget: until 2026-12-06 it failed
+    at its expert statistics (the verify steps' [L, 4] stats stayed on the device, and numpy cannot read
+    a CUDA tensor; a finished batch's stats now come to the host in one copy), and its report named the
+    CPU as the machine."""
+    import json
+
+    import moespec.models as mm
+    from models_fixtures import write_checkpoint
+    from moespec import LLM, SamplingParams, SpeculativeConfig
+    from moespec.bench.run import main
+    from moespec.engine import build_engine
+    from test_bench import _head_folder
+
+    source = write_checkpoint("qwen3_moe", tmp_path / "source")
+    draft = _head_folder(tmp_path / "draft", mm.load(source, "bf16"))
+    engine = build_engine(source, tmp_path / "engine", draft=draft, progress=False,
+                          speculation={"depth": 3, "top_k": 3, "total_tokens": 6}).folder
+    dataset = tmp_path / "two.jsonl"
+    dataset.write_text("".join(json.dumps(x) + "\n" for x in (
+        {"task_id": 0, "input_ids": [5, 17, 33, 64, 9], "output_tokens": 9},
+        {"task_id": 1, "input_ids": [3, 4, 120, 77, 13, 50, 8], "output_tokens": 12})))
+    with virtual_cuda():
+        rc = main(["throughput", "--engine", str(engine), "--dataset", str(dataset), "--policy", "eagle3+budget:5",
+                   "--max-batch-size", "2", "--warmup", "0", "--device", "cuda", "--report-json",
+                   str(tmp_path / "report.json")])
+        assert rc == 0
+        config = SpeculativeConfig("eagle3+budget", budget=5, depth=3, top_k=3, total_tokens=6)
+        out = LLM(source, dtype="fp32", device="cuda", draft=draft, speculative_config=config).generate(
+            [[5, 17, 33]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["expert_statistics"]["verify_steps"] > 0, report["expert_statistics"]
+    assert report["machine"]["device"] == "cuda:0" and report["machine"]["name"].startswith("virtual CUDA")
+    assert report["engine"]["backend"] == "moespec (torch, cuda)"
+    assert out.stats.expert_stats and all(t.device.type == "cpu" for t in out.stats.expert_stats)

@@ -316,9 +316,13 @@ def _warm_up(llm, requests: Sequence[Request], sampling: Sampling, engine: Engin
 # ---- reports ------------------------------------------------------------------------------------
 
 
-def _machine() -> dict[str, Any]:
-    return {"name": platform.processor() or platform.machine() or "unknown", "device": "cpu",
-            "threads": torch.get_num_threads()}
+def _machine(device: torch.device) -> dict[str, Any]:
+    """Where the model ran: the CPU's name and threads, or the GPU's name and its device."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine() or "unknown"
+    return {"name": name, "device": str(device), "threads": torch.get_num_threads()}
 
 
 def _engine_section(engine: Engine, choice: PolicyChoice, llm) -> dict[str, Any]:
@@ -330,7 +334,7 @@ def _engine_section(engine: Engine, choice: PolicyChoice, llm) -> dict[str, Any]
         "model_path": engine.info.provenance.get("source", {}).get("path"),
         "engine_dir": str(engine.folder),
         "version": moespec.__version__,
-        "backend": "moespec (torch, cpu)",
+        "backend": f"moespec (torch, {llm.target.device.type})",
         "dtype": engine.info.dtype,
         "kv_cache_dtype": engine.info.dtype,
         "quantization": None,
@@ -366,7 +370,8 @@ def build_report(mode: str, engine: Engine, choice: PolicyChoice, llm, col: Coll
     world = {"tp_size": 1, "pp_size": 1, "ep_size": None, "world_size": 1, "max_batch_size": batch,
              "max_num_tokens": batch * (draft + 1), "scheduling_policy": "static_batch", "kv_cache_percentage": None,
              "concurrency": concurrency}
-    return make_report(mode=mode, engine=_engine_section(engine, choice, llm), machine=_machine(), world_info=world,
+    return make_report(mode=mode, engine=_engine_section(engine, choice, llm), machine=_machine(llm.target.device),
+                       world_info=world,
                        records=col.records, expert_steps=col.steps, experts=_experts_context(engine, choice),
                        dataset=m.dataset_stats([len(r.input_ids) for r in requests],
                                                [r.output_tokens for r in requests], str(dataset)),
@@ -571,7 +576,7 @@ def run_compare(engine: Union[str, Path, Engine], dataset: Union[str, Path], pol
         "mode": "compare", "partial": partial,
         "engine": {**{k: s[k] for k in ("model", "model_path", "engine_dir", "version", "dtype")},
                    "byte_profile": byte_profile(eng.target)},
-        "machine": _machine(),
+        "machine": _machine(eng.target.device),
         "settings": {"max_batch_size": max_batch_size, "warmup": warmup, **tree,
                      "order": "interleaved batch by batch, rotated each round"},
         "dataset": m.dataset_stats([len(r.input_ids) for r in requests], [r.output_tokens for r in requests],

@@ -70,7 +70,8 @@ class RequestStats:
 
     decode_steps: int = 0  # target forward passes after the prefill (decode or verify steps)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
-    # per verify step: int32 [MoE layers, 4] (natural unique, kept, re-routed, dropped), batch-wide
+    # per verify step: int32 [MoE layers, 4] (natural unique, kept, re-routed, dropped), batch-wide; on
+    # the host once the request's batch has finished (on the target's device while it runs)
     expert_stats: list[torch.Tensor] = field(default_factory=list)
     # per verify step of a cost-aware tree (eco policies): the selector's expected unique experts [MoE layers]
     predicted_unique: list[Any] = field(default_factory=list)
@@ -292,6 +293,8 @@ class LLM:
                 if run.last_predicted_unique is not None:
                     r.stats.predicted_unique.append(run.last_predicted_unique)
                 self._emit(r, tokens, start)
+            if all(r.finished for r in batch):
+                _expert_stats_to_host(batch)
             yield
 
     def _emit(self, r: _Request, tokens: list[int], start: float) -> None:
@@ -313,6 +316,17 @@ class LLM:
                     r.finish_reason = "stop"
         r.stats.wall_time = time.perf_counter() - start
         r.stats.end_ns = time.perf_counter_ns()
+
+
+def _expert_stats_to_host(batch: list[_Request]) -> None:
+    """A finished batch's expert statistics (one [L, 4] tensor a verify step, shared by the batch's
+    requests; on the target's device while it runs: no copy back a step) on the host, in one copy."""
+    steps = {id(t): t for r in batch for t in r.stats.expert_stats if t.device.type != "cpu"}
+    if not steps:
+        return
+    host = dict(zip(steps, torch.stack(list(steps.values())).cpu().unbind(0)))
+    for r in batch:
+        r.stats.expert_stats = [host.get(id(t), t) for t in r.stats.expert_stats]
 
 
 def _local_tokenizer(path: Optional[Path]):
