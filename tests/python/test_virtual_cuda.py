@@ -84,7 +84,8 @@ def test_moespec_bench_runs_on_cuda(tmp_path):
     """`moespec bench throughput --device cuda` with EAGLE-3 and a budget: until 2026-12-06 it failed
     at its expert statistics (the verify steps' [L, 4] stats stayed on the device, and numpy cannot read
     a CUDA tensor; a finished batch's stats now come to the host in one copy), and its report named the
-    CPU as the machine."""
+    CPU as the machine; `moespec bench compare --device cuda` failed at its quality proxy (host token ids
+    gathered from device log-probabilities)."""
     import json
 
     import moespec.models as mm
@@ -107,10 +108,14 @@ def test_moespec_bench_runs_on_cuda(tmp_path):
                    "--max-batch-size", "2", "--warmup", "0", "--device", "cuda", "--report-json",
                    str(tmp_path / "report.json")])
         assert rc == 0
+        assert main(["compare", "--engine", str(engine), "--dataset", str(dataset), "--policies", "ar,eagle3+budget:5",
+                     "--warmup", "0", "--no-progress", "--device", "cuda", "--out-dir", str(tmp_path / "compare")]) == 0
         config = SpeculativeConfig("eagle3+budget", budget=5, depth=3, top_k=3, total_tokens=6)
         out = LLM(source, dtype="fp32", device="cuda", draft=draft, speculative_config=config).generate(
             [[5, 17, 33]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     report = json.loads((tmp_path / "report.json").read_text())
+    compared = json.loads((tmp_path / "compare" / "compare.json").read_text())
+    assert compared["machine"]["device"] == "cuda:0" and len(compared["policies"]) == 2
     assert report["expert_statistics"]["verify_steps"] > 0, report["expert_statistics"]
     assert report["machine"]["device"] == "cuda:0" and report["machine"]["name"].startswith("virtual CUDA")
     assert report["engine"]["backend"] == "moespec (torch, cuda)"

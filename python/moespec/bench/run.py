@@ -442,8 +442,8 @@ def _run(mode: str, engine, dataset, *, batch: int, concurrency: Optional[int], 
 @torch.inference_mode()
 def continuation_logprobs(target, prompt: Sequence[int], continuation: Sequence[int], *, budget=None,
                           window: Optional[int] = None) -> torch.Tensor:
-    """float32 [n - 1]: log p(continuation[i] | prompt, continuation[:i]) for i = 1 .. n - 1 under the
-    target model as a policy runs it.
+    """float32 [n - 1] on the host: log p(continuation[i] | prompt, continuation[:i]) for i = 1 .. n - 1
+    under the target model as a policy runs it.
 
     The prompt is prefilled (never budgeted, as in every policy), then ``continuation[:-1]`` goes
     through verify passes of ``window`` tokens each (a chain: each token sees the prompt and the
@@ -463,10 +463,10 @@ def continuation_logprobs(target, prompt: Sequence[int], continuation: Sequence[
         chunk = feed[s : s + width]
         out = target.verify(cache, [chunk], [[-1] + list(range(len(chunk) - 1))], budget=budget)
         logp = torch.log_softmax(out.logits[0, : len(chunk)].float(), dim=-1)  # [w, V]
-        nxt = torch.tensor([int(t) for t in continuation[s + 1 : s + 1 + len(chunk)]])  # [w]
+        nxt = torch.tensor([int(t) for t in continuation[s + 1 : s + 1 + len(chunk)]], device=logp.device)  # [w]
         parts.append(logp.gather(1, nxt[:, None])[:, 0])
         target.commit(cache, [list(range(len(chunk)))])
-    return torch.cat(parts)
+    return torch.cat(parts).cpu()  # (on the host: one copy for the sequence)
 
 
 def _score(engine: Engine, choices: Sequence[PolicyChoice], llms: dict, requests: Sequence[Request],
