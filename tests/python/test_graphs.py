@@ -291,6 +291,7 @@ def _host_reads(monkeypatch, step, steps: int) -> collections.Counter:
     import traceback
 
     reads, draws = collections.Counter(), set()  # draws: the host uniforms' storage
+    kept = []  # (the draws themselves, alive: a later tensor at a freed draw's address would go uncounted)
 
     def counted(name, fn):
         def read(self, *args, **kwargs):
@@ -304,6 +305,7 @@ def _host_reads(monkeypatch, step, steps: int) -> collections.Counter:
     def rand(*args, **kwargs):
         t = torch_rand(*args, **kwargs)
         draws.add(t.untyped_storage().data_ptr())
+        kept.append(t)
         return t
 
     torch_rand = torch.rand
