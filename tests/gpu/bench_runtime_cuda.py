@@ -26,8 +26,8 @@ import sys
 import time
 
 import torch
-from gpu_common import (DEVICE, SMOKE, copy_bandwidth, device_name, event_seconds, graph_seconds, results_saver, sync,
-                        timeline)
+from gpu_common import (DEVICE, SMOKE, copy_bandwidth, device_name, event_seconds, graph_seconds, profiler_activity,
+                        results_saver, sync, timeline)
 
 from moespec.models import TargetModel
 from moespec.models.config import ModelConfig, MoeConfig, RopeConfig
@@ -93,11 +93,11 @@ def kernel_table(m: TargetModel, cache, T: int, top: int = 12) -> dict:
 def profiled(step, label: str, top: int = 12, calls: int = 3) -> dict:
     """torch's profiler over ``calls`` calls of ``step`` (after one untimed call): the GPU time and
     the kernels a call (printed), and the ``top`` kernels by time as [name, us a call, launches a call]."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     step()
     sync()
-    with profile(activities=[ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU]) as prof:
+    with profile(activities=[profiler_activity()[0]]) as prof:
         for _ in range(calls):
             step()
         sync()

@@ -4,8 +4,10 @@ copy bandwidth the timings are held to, the timings' JSON written as they grow, 
 kernel timeline (busy and idle time on the GPU's clock).
 
 MOESPEC_GPU_SMOKE=1 runs the timing scripts on the CPU with tiny shapes (``SMOKE``, ``DEVICE``: the
-timers then take the host's clock and no graph), so that tests/python/test_gpu_scripts.py finds a
-script's Python errors here rather than in a GPU session's few minutes; the numbers mean nothing."""
+timers then take the host's clock and no graph), and MOESPEC_GPU_SMOKE=virtual the same on the CPU
+playing a CUDA device (tests/python/virtual_cuda.py: the scripts' CUDA branches, graphs and events),
+so that tests/python/test_gpu_scripts.py finds a script's Python errors here rather than in a GPU
+session's few minutes; the numbers mean nothing."""
 
 from __future__ import annotations
 
@@ -37,8 +39,24 @@ def require_cuda_build() -> None:
                     allow_module_level=True)
 
 
-SMOKE = os.environ.get("MOESPEC_GPU_SMOKE") == "1"
-DEVICE = torch.device("cpu" if SMOKE else "cuda")  # where the timing scripts run
+SMOKE = os.environ.get("MOESPEC_GPU_SMOKE") in ("1", "virtual")
+if os.environ.get("MOESPEC_GPU_SMOKE") == "virtual":  # the scripts' CUDA branches, on the CPU playing a
+    import virtual_cuda  # CUDA device (tests/python/virtual_cuda.py) for the whole process
+
+    _VIRTUAL = virtual_cuda.virtual_cuda()  # (kept: the patches last while it is alive)
+    _VIRTUAL.__enter__()
+DEVICE = torch.device("cuda" if not SMOKE or torch.cuda.is_available() else "cpu")  # where the scripts run
+
+
+def profiler_activity():
+    """(torch.profiler activity, torch.autograd.DeviceType) of DEVICE's kernels: the CPU's ops where this
+    torch cannot trace a GPU (a smoke run)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, supported_activities
+
+    if DEVICE.type == "cuda" and ProfilerActivity.CUDA in supported_activities():
+        return ProfilerActivity.CUDA, DeviceType.CUDA
+    return ProfilerActivity.CPU, DeviceType.CPU
 
 
 def sync() -> None:
@@ -55,7 +73,7 @@ def event_seconds(fn, repeats: int = 9) -> float:
     """Median seconds of ``fn`` between two CUDA events (after one untimed call); the host's clock
     in a smoke run."""
     fn()
-    if DEVICE.type != "cuda":
+    if SMOKE:
         return _host_median(fn, repeats)
     torch.cuda.synchronize()
     times = []
@@ -146,15 +164,13 @@ def timeline(step, first: int = 64) -> dict:
     ``first`` kernels in order as [name, start us after the first kernel's start, duration us]. What
     the call would gain from fewer kernels (a fusion) is at most its idle time plus the kernels'
     ramps. (A smoke run: the host's op intervals.)"""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    on_gpu = DEVICE.type == "cuda"
+    activity, kind = profiler_activity()
     sync()
-    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+    with profile(activities=[activity]) as prof:
         step()
         sync()
-    kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == kind and e.time_range.end > e.time_range.start)
     if not spans:

@@ -1,6 +1,7 @@
 """The GPU check's timing scripts (tests/gpu/bench_{runtime,moe_experts,linear}_cuda.py) run end to end
-on the CPU with tiny shapes (MOESPEC_GPU_SMOKE=1, tests/gpu/gpu_common.py): a script's Python error
-shows here, not in a GPU session's few minutes of device time (where run.sh would also rerun it on its
+on the CPU with tiny shapes (MOESPEC_GPU_SMOKE=1, tests/gpu/gpu_common.py), and on the CPU playing a
+CUDA device (MOESPEC_GPU_SMOKE=virtual): a script's Python error shows here, not in a GPU session's few
+minutes of device time (where run.sh would also rerun it on its
 fallback path). Each writes its JSON with every section the GPU run writes, which tests/gpu/tables.py
 and tests/gpu/plot_results.py read. The numbers mean nothing on the CPU."""
 
@@ -26,10 +27,13 @@ SCRIPTS = {  # script -> its JSON and the keys the GPU run's JSON has
 }
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+@pytest.fixture(scope="module", params=["1", "virtual"], ids=["cpu", "virtual-cuda"])
+def smoke(request, tmp_path_factory):
+    """Each timing script's run, with tiny shapes, on the CPU (MOESPEC_GPU_SMOKE=1) and on the CPU
+    playing a CUDA device (=virtual, tests/python/virtual_cuda.py: the scripts' CUDA branches, their
+    graphs and events, with a GPU's device rules)."""
     out = tmp_path_factory.mktemp("gpu_smoke")
-    env = {**os.environ, "MOESPEC_GPU_SMOKE": "1", "OUT": str(out), "PYTHONPATH": str(ROOT / "python")}
+    env = {**os.environ, "MOESPEC_GPU_SMOKE": request.param, "OUT": str(out), "PYTHONPATH": str(ROOT / "python")}
     runs = {script: subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / script)], cwd=ROOT, env=env,
                                    capture_output=True, text=True, timeout=600) for script in SCRIPTS}
     return out, runs
@@ -77,7 +81,7 @@ def test_a_timing_script_runs_on_run_shs_fallback_path(script, tmp_path):
     fused-forward assertion stopped it at its first row)."""
     fallback = _fallback_env()
     assert fallback.get("MOESPEC_FUSED_STEP") == "0" and len(fallback) >= 5, fallback
-    env = {**os.environ, **fallback, "MOESPEC_GPU_SMOKE": "1", "OUT": str(tmp_path),
+    env = {**os.environ, **fallback, "MOESPEC_GPU_SMOKE": "virtual", "OUT": str(tmp_path),
            "PYTHONPATH": str(ROOT / "python")}
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / script)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)

@@ -24,7 +24,8 @@ synchronise on is counted:
   host memory, or, for the decoder ops that only CUDA has, their torch versions.
 
 Not played: the kernels themselves (their numerics are the CPU's), streams and events (one stream,
-nothing asynchronous), CUDA generators, memory limits. The kernel tests of tests/gpu (which hold the
+nothing asynchronous; events read the host's clock), CUDA generators (a generator made for "cuda" draws
+on the host), memory limits. The kernel tests of tests/gpu (which hold the
 CUDA kernels to the CPU) mean nothing here; the runtime's tests (tests/gpu/test_runtime_cuda.py) and
 the draft tree's run here at every ./build.sh test (tests/python/test_virtual_cuda.py).
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 import traceback
 import types
 import warnings
@@ -157,17 +159,30 @@ class _Stream:
 
 
 class _Event:
+    """A CUDA event on the host's clock (everything ran when it is recorded)."""
+
     def __init__(self, *args, **kwargs) -> None:
-        pass
+        self.at = 0.0
 
     def record(self, stream=None) -> None:
-        pass
+        self.at = time.perf_counter()
 
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, other) -> float:
-        return 0.0
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end.at - self.at) * 1e3  # ms
+
+
+class _HostGenerator(torch.Generator):
+    """torch.Generator whatever the device asked for: a CUDA one draws on the host (the virtual device's
+    values live there)."""
+
+    def __new__(cls, device="cpu"):
+        return super().__new__(cls, "cpu")
+
+    def __init__(self, device="cpu") -> None:
+        pass
 
 
 class _Graph:
@@ -297,8 +312,17 @@ ADAPTERS = {"rms_norm": _rms_norm, "attention_inputs": _attention_inputs, "tree_
 @contextlib.contextmanager
 def virtual_cuda() -> Iterator[VirtualCuda]:
     """The virtual CUDA device, for the block (yields the mode: its ``syncs``)."""
+    import importlib
+    import pkgutil
+
     import moespec._loader as loader
     import moespec._tensor as moespec_tensor
+
+    for package in ("ops", "models", "runtime", "spec", "bench"):  # (every module whose `native` and `view`
+        root = importlib.import_module(f"moespec.{package}")      # names are patched: imported first)
+        for info in pkgutil.iter_modules(root.__path__, f"{root.__name__}."):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(info.name)
 
     mode = VirtualCuda()
     saved: list[tuple] = []
@@ -416,6 +440,7 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
                         ("set_sync_debug_mode", lambda m: setattr(mode.syncs, "debug", m))):
         patch(cuda, name, value)
     patch(torch, "tensor", tensor)
+    patch(torch, "Generator", _HostGenerator)
     for name, value in (("to", to), ("cuda", lambda self, *a, **k: to(self, "cuda", **k)), ("copy_", copy_),
                         ("numpy", numpy), ("__getitem__", getitem), ("__setitem__", setitem),
                         ("pin_memory", lambda self, *a: self), ("is_pinned", lambda self, *a: False),
@@ -448,11 +473,6 @@ _session = None
 
 def pytest_configure(config) -> None:
     global _session
-    import moespec.models  # noqa: F401  (every moespec module whose names are patched, imported first)
-    import moespec.runtime.graphs  # noqa: F401
-    import moespec.spec.draft_graph  # noqa: F401
-    import moespec.spec.eagle3_policy  # noqa: F401
-    import moespec.spec.llm  # noqa: F401
     _session = virtual_cuda()
     _session.__enter__()
 
