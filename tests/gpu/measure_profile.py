@@ -18,9 +18,14 @@ from pathlib import Path
 
 import torch
 
-from gpu_common import event_seconds, graph_seconds  # (puts the source tree's python/ on sys.path)
+from gpu_common import SMOKE, event_seconds, graph_seconds  # (puts the source tree's python/ on sys.path)
 
 from moespec.cost.hardware import PROFILE_SIZES, Hardware, save_profile  # noqa: E402
+
+# sizes: the read buffer's floats, the GEMM weight [N, K], the peak product's side, the MoE layer (E, I, H)
+READ, GEMM, PEAK, LAYER = 2**30, (28672, 8192), 8192, (128, 768, 2048)
+if SMOKE:  # (gpu_common: tiny shapes; the profile goes to $OUT only)
+    READ, GEMM, PEAK, LAYER = 2**16, (256, 128), 128, (16, 32, 64)
 
 
 def main() -> int:
@@ -30,26 +35,26 @@ def main() -> int:
     device = torch.cuda.get_device_name()
     name = next((key for tag, key in (("H200", "h200"), ("H100", "h100-sxm"), ("B200", "b200")) if tag in device),
                 "gpu")
-    buf = torch.ones(2**30, dtype=torch.float32, device="cuda")  # 4 GiB
+    buf = torch.ones(READ, dtype=torch.float32, device="cuda")  # 4 GiB
     bandwidth = buf.numel() * 4 / event_seconds(lambda: buf.sum()) / 1e9
     del buf
-    w = torch.randn(28672, 8192, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(*GEMM, device="cuda", dtype=torch.bfloat16)
     table = {}
     for M in PROFILE_SIZES:
-        x = torch.randn(M, 8192, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, GEMM[1], device="cuda", dtype=torch.bfloat16)
         table[M] = w.numel() * 2 / event_seconds(lambda: x @ w.T) / 1e9
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * 8192**3 / event_seconds(lambda: a @ a) / 1e12
-    experts = expert_rates()
+    a = torch.randn(PEAK, PEAK, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * PEAK**3 / event_seconds(lambda: a @ a) / 1e12
+    experts = expert_rates(*LAYER)
     small = torch.zeros(1024, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         small.add_(1.0)
     overhead = event_seconds(graph.replay, 200) * 1e6
     hw = Hardware(name, bandwidth, peak, overhead, f"measured by tests/gpu/measure_profile.py on {device} "
-                  f"(torch {torch.__version__} bf16 GEMM; moe_experts at E=128 I=768 H=2048)", table,
+                  f"(torch {torch.__version__} bf16 GEMM; moe_experts at E={LAYER[0]} I={LAYER[1]} H={LAYER[2]})", table,
                   expert_gbs=experts)
-    paths = [Path(__file__).parent / "profiles" / f"{name}.json"]
+    paths = [] if SMOKE else [Path(__file__).parent / "profiles" / f"{name}.json"]
     if os.environ.get("OUT"):
         paths.append(Path(os.environ["OUT"]) / "profiles" / f"{name}.json")
     for path in paths:
@@ -61,7 +66,7 @@ def main() -> int:
     return 0
 
 
-def expert_rates(E: int = 128, I: int = 768, H: int = 2048, K: int = 2) -> dict[int, float]:
+def expert_rates(E: int, I: int, H: int, K: int = 2) -> dict[int, float]:
     """GB/s of expert weights moe_experts streams with every expert serving m tokens (m = 1..16)."""
     from moespec.ops import moe_experts
 

@@ -69,12 +69,15 @@ def _family_folder(family: str, root):
     """A tiny random checkpoint of ``family``: the fixtures' (tests/python/models_fixtures.py), GPT-OSS
     (sinks, sliding windows, biases, clamped SwiGLU) and DeepSeek-V3 (MLA with a q LoRA, grouped routing
     with a bias, a shared expert, a dense first layer)."""
-    if family == "gpt_oss":
-        from test_gpt_oss import write
-        return write(root / family)
-    if family == "deepseek_v3":
-        from test_deepseek_v3 import write
-        return write(root / family, q_lora_rank=24)
+    try:  # (the GPU machine's transformers may predate a family: that family is skipped, saying so)
+        if family == "gpt_oss":
+            from test_gpt_oss import write
+            return write(root / family)
+        if family == "deepseek_v3":
+            from test_deepseek_v3 import write
+            return write(root / family, q_lora_rank=24)
+    except ImportError as exc:
+        pytest.skip(f"this transformers cannot write a {family} checkpoint: {exc}")
     return write_checkpoint(family, root / family)
 
 

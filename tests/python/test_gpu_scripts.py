@@ -132,3 +132,19 @@ def test_the_gpu_tests_collect_and_the_sanitizers_cases_select_some():
 
     for path, expression in CASES.items():
         assert _collected(path, "-k", expression), f"{path}: -k {expression!r} selects no test"
+
+
+def test_the_hardware_profile_script_runs_on_virtual_cuda(tmp_path):
+    """tests/gpu/measure_profile.py (run.sh's "hardware profile") with tiny shapes on the virtual CUDA
+    device: a profile moespec.cost.hardware reads back, written to $OUT only (not over the committed
+    tests/gpu/profiles/)."""
+    from moespec.cost.hardware import load_profile
+
+    before = sorted(p.name for p in (ROOT / "tests" / "gpu" / "profiles").iterdir())
+    env = {**os.environ, "MOESPEC_GPU_SMOKE": "virtual", "OUT": str(tmp_path), "PYTHONPATH": str(ROOT / "python")}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "measure_profile.py")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    hw = load_profile(tmp_path / "profiles" / "gpu.json")
+    assert hw.bandwidth_gbs > 0 and set(hw.expert_gbs) == {1, 2, 4, 8, 16}
+    assert sorted(p.name for p in (ROOT / "tests" / "gpu" / "profiles").iterdir()) == before
