@@ -120,3 +120,15 @@ def test_moespec_bench_runs_on_cuda(tmp_path):
     assert report["machine"]["device"] == "cuda:0" and report["machine"]["name"].startswith("virtual CUDA")
     assert report["engine"]["backend"] == "moespec (torch, cuda)"
     assert out.stats.expert_stats and all(t.device.type == "cpu" for t in out.stats.expert_stats)
+
+
+def test_the_mla_bench_runs_on_cuda(tmp_path):
+    """run.sh's last timing, `python -m moespec.bench.mla --device cuda` (MLA's two forms on a
+    DeepSeek-V3 attention layer), on the virtual device with a short context."""
+    import json
+
+    from moespec.bench import mla
+
+    with virtual_cuda():
+        mla.main(["--device", "cuda", "--contexts", "64", "--tokens", "1", "--repeats", "1", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "mla.json").read_text())
