@@ -37,6 +37,10 @@ def test_device_tensors_mixing_and_host_reads():
         v = a.view(12)
         v[2:5] = 7.0  # (views alias their base, as on a device)
         assert float(a[0, 3]) == 7.0
+        del mode.syncs[:]
+        assert a[torch.tensor([0, 2])].is_cuda and a[a > 1].is_cuda and a[torch.arange(2, device="cuda")].is_cuda
+        assert [s.split(" at ")[0] for s in mode.syncs] == ["a blocking copy to the device (host indices)",
+                                                           "indexing with a boolean mask"], mode.syncs
 
 
 def test_copies_to_the_device_block_unless_pinned_and_asynchronous():

@@ -407,8 +407,18 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
     def indices_on_device(idx) -> bool:
         return any(isinstance(i, VirtualCudaTensor) for i in (idx if isinstance(idx, tuple) else (idx,)))
 
+    def index_syncs(idx) -> None:
+        """What indexing a device tensor with ``idx`` waits for on a GPU: index tensors on the host
+        (copied to the device, blocking) and boolean masks (their nonzero)."""
+        for i in idx if isinstance(idx, tuple) else (idx,):
+            if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+                mode.syncs.add("indexing with a boolean mask")
+            elif isinstance(i, torch.Tensor) and not isinstance(i, VirtualCudaTensor) and i.dim() > 0:
+                mode.syncs.add("a blocking copy to the device (host indices)")
+
     def getitem(self, idx):  # (torch's indexing takes a device guard, which a CPU build cannot give)
         if isinstance(self, VirtualCudaTensor):
+            index_syncs(idx)
             return VirtualCudaTensor(real["__getitem__"](self._host, index(idx)))
         if indices_on_device(idx):
             raise RuntimeError("indices on cuda:0 for a tensor on the cpu")
@@ -419,6 +429,7 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
             if isinstance(value, VirtualCudaTensor) or indices_on_device(idx):
                 raise RuntimeError("a value or indices on cuda:0 written into a tensor on the cpu")
             return real["__setitem__"](self, idx, value)
+        index_syncs(idx)
         if isinstance(value, torch.Tensor) and not isinstance(value, VirtualCudaTensor) and value.dim() > 0:
             mode.syncs.add("a blocking copy to the device")
         return real["__setitem__"](self._host, index(idx), getattr(value, "_host", value))
