@@ -18,6 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT / "tests" / "gpu") not in sys.path:  # (gpu_common's union_length, sanitize's cases)
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 SCRIPTS = {  # script -> its JSON and the keys the GPU run's JSON has
     "bench_runtime_cuda.py": ("runtime_bench.json", {"device", "copy_GBps", "rows", "route_us", "route_in_step_us",
                                                      "layer_ms", "eagle3_step_ms", "eagle3_step_kernels", "kernels",
@@ -59,7 +61,6 @@ def test_a_timing_script_runs_and_writes_its_json(smoke, script):
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=12))
 def test_the_timelines_busy_time_is_the_union_of_the_kernels(pairs):
     """gpu_common.union_length against counting the unit cells the intervals cover."""
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
     from gpu_common import union_length
 
     intervals = [(float(s), float(s + n)) for s, n in pairs]
@@ -100,22 +101,12 @@ def test_the_tables_and_plots_read_the_smoke_runs_json(smoke, tmp_path):
     assert {p.name for p in tmp_path.glob("*.png")} >= {"gpu_steps.png", "gpu_moe_kernel.png", "gpu_linear.png"}
 
 
-# Collecting the GPU tests here: torch and moespec told that a CUDA device and kernels are there (only
-# for the collection, in a child process), so that the modules import and parametrize as on a GPU.
-COLLECT = """
-import sys, torch
-torch.cuda.is_available = lambda: True
-from moespec._loader import native
-native().cuda_available = lambda: True
-import pytest
-sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"] + sys.argv[1:]))
-"""
-
-
 def _collected(*args: str) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
-    done = subprocess.run([sys.executable, "-c", COLLECT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    """The GPU tests' ids, collected on the virtual CUDA device (tests/python/virtual_cuda.py), so that the
+    modules import and parametrize as on a GPU."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests" / "python")])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "virtual_cuda", "-p",
+                           "no:cacheprovider", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     return [line for line in done.stdout.splitlines() if "::" in line]
 
@@ -127,7 +118,6 @@ def test_the_gpu_tests_collect_and_the_sanitizers_cases_select_some():
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
     ids = _collected(*files)
     assert {i.split("::")[0] for i in ids} == set(files)
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
     from sanitize import CASES
 
     for path, expression in CASES.items():

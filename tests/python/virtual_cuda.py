@@ -44,6 +44,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moespec._tensor import view as _host_view  # (bound now: virtual_cuda() patches moespec's `view` names)
+
 CUDA = torch.device("cuda", 0)
 # ops whose output size depends on the values: on a GPU the host waits for them
 DATA_DEPENDENT = frozenset({"nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "masked_select",
@@ -294,13 +296,9 @@ def _route_experts(*args):
     """The CPU entry (which checks the values for NaN itself), then the workspace's non-finite count
     zeroed, as the CUDA kernel leaves it where every value is finite."""
     from moespec import _native
-    from moespec._tensor import DTYPE_CODES
-
-    def host(t):
-        return (t.data_ptr(), DTYPE_CODES[t.dtype], t.shape, t.stride(), 0, 0) if isinstance(t, torch.Tensor) else t
 
     *rest, workspace, stream = args
-    _native.route_experts(*[host(a) for a in rest], None, 0)
+    _native.route_experts(*[_host_view(a, "arg") if isinstance(a, torch.Tensor) else a for a in rest], None, 0)
     at = _native.route_experts_nonfinite_offset()
     workspace[at:at + 4].zero_()
 
@@ -316,7 +314,6 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
     import pkgutil
 
     import moespec._loader as loader
-    import moespec._tensor as moespec_tensor
 
     for package in ("ops", "models", "runtime", "spec", "bench"):  # (every module whose `native` and `view`
         root = importlib.import_module(f"moespec.{package}")      # names are patched: imported first)
@@ -331,7 +328,7 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
-    real_view, real_native = moespec_tensor.view, loader.native
+    real_view, real_native = _host_view, loader.native
     real = {name: getattr(torch.Tensor, name) for name in (
         "to", "copy_", "tolist", "numpy", "__getitem__", "__setitem__", "__int__", "__float__", "__bool__",
         "__index__", "item", "contiguous")}
