@@ -272,6 +272,60 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, d
     assert len(syncs) <= steps, f"{len(syncs) / steps:.1f} synchronisations a step, at {', '.join(where)}"
 
 
+def _eco_policy(target, **tree):
+    from moespec import SpeculativeConfig
+    from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.expert_predictor import ExpertPredictor
+    from moespec.spec.train import new_head
+
+    c = target.config
+    gen = torch.Generator().manual_seed(0)
+    L, N, D = len(c.moe.layers), c.moe.num_experts, 2 * c.hidden_size
+    predictor = ExpertPredictor(torch.randn(L, N, D, generator=gen) * 0.3, torch.randn(L, N, generator=gen),
+                                torch.zeros(D), torch.ones(D))
+    head = new_head(c, target.weights.embed, None, seed=0).to(target.device)
+    return Eagle3Policy(target, head, SpeculativeConfig("eco", **tree), predictor=predictor)
+
+
+def test_eco_on_cuda_is_lossless_and_synchronises_once_a_step(folder):
+    """The eco policy on CUDA keeps its round, the experts' prediction, the cost-aware selection and
+    the trees on the GPU (moespec.spec.cost_aware.CostAwareTrees.device_trees): greedy eco equals
+    greedy decoding token for token with trees of every size (padded with copies of the root), and
+    a step synchronises with the host once, the acceptance's copy back, which carries the
+    selection's own values (about ten a step until 2026-12-06: the trees built and chosen on the
+    host)."""
+    import warnings
+
+    from test_graphs import started
+
+    target = mm.load(folder, "fp32", device="cuda")
+    policy = _eco_policy(target, depth=3, top_k=3, total_tokens=6)
+    assert policy.device_selection and policy.selector.predictor.weight.is_cuda
+    nodes, observe = [], policy.selector.observe_step  # each step's trees' node counts (read back with it)
+    policy.selector.observe_step = lambda *a: nodes.extend(a[4][:len(PROMPTS)]) or observe(*a)
+    _, requests, step = started(policy, [SamplingParams(max_tokens=64, ignore_eos=True)] * len(PROMPTS), PROMPTS)
+    for _ in range(4):  # graph captures and first allocations
+        step()
+    torch.cuda.synchronize()
+    steps = 4
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    where = sorted({f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in syncs})
+    assert len(syncs) <= steps, f"{len(syncs) / steps:.1f} synchronisations a step, at {', '.join(where)}"
+    assert policy.selector.predicted_unique is not None and policy.selector.calibration.x.size > 0
+    assert 1 < max(nodes) and min(nodes) < 7, nodes  # (trees of several nodes, padded to 7 rows)
+    n = min(len(r.output) for r in requests)
+    want = LLM(folder, dtype="fp32", device="cuda").generate(PROMPTS, SamplingParams(max_tokens=n, ignore_eos=True))
+    assert [r.output[:n] for r in requests] == [o.outputs[0].token_ids for o in want]
+
+
 def test_catch_up_graph_replay_equals_the_eager_catch_up(folder, monkeypatch):
     """The step's catch-up on CUDA graphs (moespec.spec.draft_graph.StaticCatchUp, a graph per (B, T)
     bucket) against the same calls run eagerly on a second draft cache: the same head outputs and

@@ -319,3 +319,78 @@ def test_the_cuda_batch_selection_names_what_is_wrong_off_the_gpu():
 
     with pytest.raises((ValueError, RuntimeError), match="selected|CUDA"):
         tree_from_selection_cuda(z, torch.tensor([1], dtype=torch.int32), z - 1, z, torch.zeros(1, dtype=torch.int32), 2)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), depth=st.integers(1, 3), top_k=st.integers(1, 3), total=st.integers(1, 8),
+       inactive=st.booleans())
+def test_the_gpu_selection_chooses_the_host_selections_trees(seed, depth, top_k, total, inactive):
+    """CostAwareTrees.device_trees (the eco policies on a GPU: the round's candidates, the experts'
+    prediction, select_cost_aware_cuda and tree_from_selection_cuda, on the virtual CUDA device of
+    tests/python/virtual_cuda.py, whose kernels are the CPU selection and tree_from_selection) gives
+    the trees of the host selection (CostAwareTrees.trees on the native core's round) for the same
+    draft and the same opening S, padded to total_tokens + 1 rows with copies of the root (parent -1,
+    depth 0, the root's mask row); its values read back give the host's expected unique experts."""
+    from types import SimpleNamespace
+
+    import torch
+    from hypothesis import assume
+    from virtual_cuda import virtual_cuda
+
+    from moespec.spec.cost_aware import CostAwareTrees
+    from moespec.spec.expert_predictor import ExpertPredictor
+    from moespec.spec.tree import TreeBuilder
+
+    B, L, N, H, V = 3, 2, 8, 32, 50
+    C = top_k + (depth - 1) * top_k ** 2
+    assume(C <= 4 * total)  # (the GPU round keeps the best 4 x total_tokens candidates: here all of them)
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.randn(V, H, generator=gen)
+    predictor = ExpertPredictor(torch.randn(L, N, 2 * H, generator=gen) * 0.3, torch.randn(L, N, generator=gen),
+                                torch.zeros(2 * H), torch.ones(2 * H))
+    config = SimpleNamespace(hidden_size=H, moe=SimpleNamespace(layers=list(range(L)), num_experts=N, top_k=2))
+    costs = SelectionCosts(0.002, np.full(L, 0.004))
+    pricer = SimpleNamespace(costs=costs, base_s=lambda requests, unique, rest_s=None: 0.03 + 0.002 * float(np.sum(unique)))
+    roots = torch.randint(0, V, (B,), generator=gen)
+    root_hidden = torch.randn(B, H, generator=gen)
+    levels = [(torch.randint(0, V, (B, top_k), generator=gen), -torch.rand(B, top_k, generator=gen) * 2)]
+    levels += [(torch.randint(0, V, (B, top_k, top_k), generator=gen), -torch.rand(B, top_k, top_k, generator=gen) * 2)
+               for _ in range(depth - 1)]
+    level_hidden = [torch.randn(B, top_k, H, generator=gen) for _ in range(depth - 1)]
+    active = [True, not inactive, True]
+
+    def round_on(builder, to):
+        builder.expand_root(to(roots), *(to(t) for t in levels[0]))
+        for tokens, logprobs in levels[1:]:
+            builder.expand(to(tokens), to(logprobs))
+        return builder
+
+    host = CostAwareTrees(SimpleNamespace(weights=SimpleNamespace(embed=embed), config=config), predictor, pricer, total)
+    host_builder = round_on(TreeBuilder(B, depth=depth, top_k=top_k, total_tokens=total), lambda t: t)
+    want = host.trees(host_builder, roots.tolist(), root_hidden, level_hidden, active)
+    with virtual_cuda():
+        def cuda(t):
+            return t.to("cuda")
+
+        gpu = CostAwareTrees(SimpleNamespace(weights=SimpleNamespace(embed=cuda(embed)), config=config),
+                             predictor.to("cuda"), pricer, total)
+        gpu.root_unique = host.root_unique  # (the GPU's S opens at the last step's roots: here the host's)
+        builder = round_on(TreeBuilder(B, depth=depth, top_k=top_k, total_tokens=gpu.candidate_cap(C), device="cuda"),
+                           cuda)
+        got = gpu.device_trees(builder, cuda(root_hidden), [cuda(h) for h in level_hidden], active)
+        got = [{k: getattr(t, k).cpu() for k in ("tokens", "parents", "depth", "mask_words", "scores", "candidates")}
+               for t in got]
+        read = torch.cat([t.reshape(-1).long() for t in gpu.to_read]).tolist()
+    live = [b for b in range(B) if active[b]]
+    for b, (g, w) in enumerate(zip(got, want)):
+        n = w.num_nodes
+        assert g["tokens"].shape[0] == total + 1
+        for k in ("tokens", "parents", "depth", "scores", "candidates"):
+            assert torch.equal(g[k][:n].to(getattr(w, k).dtype), getattr(w, k)), (b, k)
+        assert torch.equal(g["mask_words"][:n, :w.mask_words.shape[1]], w.mask_words), b
+        assert (g["tokens"][n:] == int(roots[b])).all() and (g["parents"][n:] == -1).all()
+        assert (g["depth"][n:] == 0).all() and (g["mask_words"][n:, 0] == 1).all()
+        assert (g["mask_words"][n:, 1:] == 0).all()
+    gpu.observe_step(0.1, paths=[[0]] * len(live), trees=[None] * len(live), live=live, read=read)
+    np.testing.assert_allclose(gpu.predicted_unique, host.predicted_unique, rtol=1e-5)
+    np.testing.assert_allclose(gpu.root_unique, host.root_unique, rtol=1e-5)

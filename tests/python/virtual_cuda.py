@@ -303,8 +303,48 @@ def _route_experts(*args):
     workspace[at:at + 4].zero_()
 
 
+def _select_cost_aware(parents, depth, scores, num_candidates, predicted, predicted_p, buffer, expert_s, state,
+                       selected, count, token_s, total_tokens, stream):
+    """select_cost_aware_cuda's contract on the host: the CPU selection (the C++ tree core) request
+    after request, the buffer and S, A carried."""
+    from moespec.spec.cost_aware import SelectionCosts, select_cost_aware_native
+
+    costs, buf = SelectionCosts(token_s, expert_s.numpy().copy()), buffer.numpy()  # (buf: the buffer's memory)
+    step_s, accepted = state.tolist()
+    selected.fill_(-1)
+    for b, n in enumerate(num_candidates.tolist()):
+        count[b] = 0
+        if n == 0:  # (the CPU function takes one candidate at least)
+            continue
+        chosen, step_s, accepted = select_cost_aware_native(
+            parents[b, :n].numpy(), depth[b, :n].numpy(), scores[b, :n].numpy(), predicted[b, :n].numpy(),
+            None if predicted_p is None else predicted_p[b, :n].numpy(), buf, costs, total_tokens,
+            step_s=step_s, accepted=accepted)
+        selected[b, :len(chosen)] = torch.tensor(list(chosen), dtype=torch.int32)
+        count[b] = len(chosen)
+    state.copy_(torch.tensor([step_s, accepted], dtype=state.dtype))
+
+
+def _tree_from_selection(selected, count, cand_parents, cand_tokens, root_tokens, tokens, parents, depth, mask,
+                         num_nodes, stream):
+    """tree_from_selection_cuda's contract on the host: moespec.spec.tree.tree_from_selection per
+    request, rows past its nodes parent -1 and zero elsewhere."""
+    from moespec.spec.tree import Candidates, tree_from_selection
+
+    for t, fill in ((tokens, 0), (parents, -1), (depth, 0), (mask, 0)):
+        t.fill_(fill)
+    for b, n in enumerate(count.tolist()):
+        C = cand_tokens.shape[1]
+        cands = Candidates(cand_tokens[b].long(), cand_parents[b], torch.zeros(C, dtype=torch.int32), torch.zeros(C))
+        tree = tree_from_selection(int(root_tokens[b]), cands, selected[b, :n].tolist())
+        tokens[b, :n + 1], parents[b, :n + 1], depth[b, :n + 1] = tree.tokens.int(), tree.parents, tree.depth
+        mask[b, :n + 1, :tree.mask_words.shape[1]] = tree.mask_words
+        num_nodes[b] = n + 1
+
+
 ADAPTERS = {"rms_norm": _rms_norm, "attention_inputs": _attention_inputs, "tree_attention": _tree_attention,
-            "route_experts": _route_experts}
+            "route_experts": _route_experts, "select_cost_aware_cuda": _select_cost_aware,
+            "tree_from_selection_cuda": _tree_from_selection}
 
 
 @contextlib.contextmanager

@@ -165,7 +165,7 @@ def select_cost_aware_cuda(parents, depth, scores, num_candidates, predicted, pr
     import torch
 
     from moespec._loader import native, require_cuda
-    from moespec._tensor import view
+    from moespec._tensor import to_device, view
 
     require_cuda()
     if parents.device.type != "cuda":
@@ -175,7 +175,7 @@ def select_cost_aware_cuda(parents, depth, scores, num_candidates, predicted, pr
     device = parents.device
     selected = torch.empty(B, C, dtype=torch.int32, device=device)
     count = torch.empty(B, dtype=torch.int32, device=device)
-    expert_s = torch.as_tensor(np.asarray(costs.expert_s), dtype=torch.float32).to(device)
+    expert_s = to_device(np.asarray(costs.expert_s, dtype=np.float32), device)
     native().select_cost_aware_cuda(
         view(parents, "parents"), view(depth, "depth"), view(scores, "scores"), view(num_candidates, "num_candidates"),
         view(predicted, "predicted"), view(predicted_p, "predicted_p"), view(buffer, "buffer"),
@@ -230,10 +230,11 @@ class StepPricer:
         expert = hw.expert_seconds(shape.expert_params * bytes_per_weight, 1.0, bytes_per_weight)
         self.costs = SelectionCosts(max(token, 0.0), np.full(shape.moe_layers, expert))
 
-    def base_s(self, requests: int, buffer: np.ndarray, rest_s: Optional[float] = None) -> float:
+    def base_s(self, requests: int, unique: np.ndarray, rest_s: Optional[float] = None) -> float:
+        """``unique`` [L]: the roots' expected experts per layer (a buffer's row sums)."""
         from moespec.cost.step_cost import draft_seconds, step_cost
 
-        unique = np.clip(buffer.sum(axis=1), 1.0, self.shape.num_experts)  # [L] expected experts of the roots
+        unique = np.clip(unique, 1.0, self.shape.num_experts)
         verify = step_cost(self.shape, self.hw, tokens=requests, requests=requests, context=self.context,
                            unique=unique, bytes_per_weight=self.bytes_per_weight)
         if rest_s is None:
@@ -297,6 +298,16 @@ class AcceptanceCalibration:
         out = -np.logaddexp(0.0, -z)  # log sigmoid
         return np.where(np.isneginf(s), -np.inf, out).astype(np.float32)
 
+    def log_accept_tensor(self, scores):
+        """:meth:`log_accept` in torch ops where ``scores`` (a tensor) lie: float32, the same float64 steps."""
+        import torch
+
+        s = scores.double()
+        q = s.exp().clamp(1e-6, 1 - 1e-6)
+        z = self.alpha + self.beta * (q.log() - torch.log1p(-q))
+        out = -torch.logaddexp(torch.zeros_like(z), -z)
+        return torch.where(torch.isneginf(s), float("-inf"), out).float()
+
 
 def default_hardware():
     """The profile the eco policies price nodes with: MOESPEC_HARDWARE (a name or a profile .json,
@@ -341,6 +352,8 @@ class CostAwareTrees:
         self.rate: Optional[float] = None  # S / A when the last step's selection began
         self.calibration = AcceptanceCalibration()
         self.predicted_unique: Optional[np.ndarray] = None  # [L] of the last step
+        self.root_unique: Optional[np.ndarray] = None  # [L] the last step's roots' expected experts
+        self._read: Optional[tuple] = None  # a GPU selection's tensors to read back with the step's copy
 
     def observe_level(self, seconds: float) -> None:
         """Records one draft level's seconds (head forward, top-k and expansion)."""
@@ -362,16 +375,38 @@ class CostAwareTrees:
         token_s = self.pricer.costs.token_s
         return bool(self.rate * a.max() > token_s and self.rate * a.sum() > self.level_s + token_s)
 
-    def observe_step(self, rest_s: float, trees: Sequence = (), paths: Sequence = ()) -> None:
+    def observe_step(self, rest_s: float, trees: Sequence = (), paths: Sequence = (), live: Sequence[int] = (),
+                     read: Sequence[int] = ()) -> None:
         """Records one step: its seconds besides its verify pass, and per verified tree (DraftTree)
-        the accepted path (node indices from the root) for the acceptance calibration."""
+        the accepted path (node indices from the root) for the acceptance calibration. After a GPU
+        selection (:meth:`device_trees`): ``live`` the verified requests' indices and ``read`` the
+        values of :attr:`to_read`, read back with the step's results (the trees' scores come from
+        them; a tree's padding rows are not observed)."""
         self.rest_s = rest_s if self.rest_s is None else (1 - self.smoothing) * self.rest_s + self.smoothing * rest_s
-        for tree, path in zip(trees, paths):
-            M = len(tree.tokens) - 1
+        if self._read is None:
+            scores = [t.scores for t in trees]
+        else:
+            B, M1, L = self._read[1]
+            values = np.asarray(read, dtype=np.int64)
+            nodes, bits = values[:B], values[B:].astype(np.int32).view(np.float32)
+            tree_scores, self.root_unique = bits[: B * M1].reshape(B, M1), bits[B * M1: B * M1 + L].astype(np.float64)
+            self.predicted_unique = bits[B * M1 + L:].astype(np.float64)
+            scores = [tree_scores[b, : nodes[b]] for b in live]
+            self._read = None
+        for tree_scores, path in zip(scores, paths):
+            M = len(tree_scores) - 1
             if M > 0:
                 accepted = np.zeros(M + 1, dtype=bool)
                 accepted[list(path)] = True
-                self.calibration.observe(tree.scores[1:].numpy(), accepted[1:])
+                self.calibration.observe(np.asarray(tree_scores[1:]), accepted[1:])
+
+    @property
+    def to_read(self) -> list:
+        """What the last :meth:`device_trees` left on the GPU for :meth:`observe_step` (int32
+        tensors, floats as their bits: the trees' node counts and scores, the roots' and the
+        selection's expected unique experts), to copy back with the step's results ([] after a
+        host selection)."""
+        return [] if self._read is None else list(self._read[0])
 
     def trees(self, builder, roots: Sequence[int], root_hidden, level_hidden: Sequence,
               active: Optional[Sequence[bool]] = None) -> list:
@@ -395,7 +430,8 @@ class CostAwareTrees:
         root_ids, root_p = self.predictor.predict_p(root_hidden, embed(torch.tensor(roots)), self.keep)  # [B, L, M]
         buffer = np.zeros((L, N), dtype=np.float32)
         add_to_buffer(buffer, root_ids[live].numpy(), root_p[live].numpy())
-        step_s, accepted = self.pricer.base_s(max(len(live), 1), buffer, self.rest_s), float(max(len(live), 1))
+        self.root_unique = buffer.sum(axis=1)
+        step_s, accepted = self.pricer.base_s(max(len(live), 1), self.root_unique, self.rest_s), float(max(len(live), 1))
         self.rate = step_s / accepted
         out = []
         for b in range(B):
@@ -428,3 +464,84 @@ class CostAwareTrees:
             out.append(tree_from_selection(int(roots[b]), cands, chosen))
         self.predicted_unique = buffer.sum(axis=1)
         return out
+
+    def candidate_cap(self, candidates: int) -> int:
+        """R, the candidates a GPU round hands :meth:`device_trees` (the best R by EAGLE-2's ranking,
+        an ancestor-closed set: a round of total_tokens R finalized): all of them up to 4 x
+        total_tokens (the selection takes at most total_tokens; a node ranked below 4 x total_tokens
+        by its draft score seldom pays, and every predicted node is a row of the predictor's GEMM)."""
+        return min(candidates, 4 * self.total_tokens)
+
+    def device_trees(self, builder, root_hidden, level_hidden: Sequence, active: Sequence[bool]) -> list:
+        """:meth:`trees` on the GPU, with no host synchronisation: ``builder`` a device round of
+        total_tokens R (:meth:`candidate_cap`), expanded to its full depth (a GPU draft level costs
+        too little to stop early: :meth:`worth_expanding` is a host decision), whose finalized trees
+        are the candidates; every candidate's experts predicted in one batch, the roots' buffer, the
+        calibrated scores, then :func:`select_cost_aware_cuda` over the batch (the same rule,
+        request after request, buffer and S, A carried) and :func:`tree_from_selection_cuda`. S
+        opens with :meth:`StepPricer.base_s` at the last step's roots' expected experts (read back
+        with the last step's results; the first step: top-k per root), so S lags the host
+        selection's by a step; only which drafted nodes are verified depends on it.
+
+        Returns one DraftTree per request ([M + 1] rows, M = total_tokens, ``paths`` None): a tree
+        of fewer nodes is padded with copies of its root (token, depth 0, the root's mask row, parent
+        -1: never on a path, and the verify pass computes the root's hidden states for them, so they
+        route to the root's experts and read no other). :attr:`to_read` lists what
+        :meth:`observe_step` needs back."""
+        import torch
+
+        from moespec._tensor import to_device
+        from moespec.spec.tree import DraftTree
+
+        builder.finalize_device()
+        cand = builder.finalized()
+        B, R1 = cand["tokens"].shape
+        R, M1, K = R1 - 1, self.total_tokens + 1, builder.top_k
+        dev, H = root_hidden.device, root_hidden.shape[-1]
+        L, N = self.predictor.num_layers, self.predictor.num_experts
+        embed = self.target.weights.embed
+        # each candidate's parent state: the root's for the first K candidates, else its frontier slot's
+        states = torch.cat([root_hidden[:, None]] + list(level_hidden), dim=1)  # [B, 1 + levels K, H]
+        c = cand["candidates"][:, 1:].long()  # [B, R] the builder's candidate indices
+        row = torch.where(c < K, 0, 1 + (c - K) // K)  # (level i's slot s: row 1 + i K + s)
+        parent_h = states.gather(1, row[:, :, None].expand(B, R, H))
+        tokens, roots = cand["tokens"][:, 1:], cand["tokens"][:, 0]
+        rows = embed.shape[0] - 1  # (ids clamped for the lookups: the round's recorded problems are raised later)
+        ids, p = self.predictor.predict_p(parent_h.reshape(B * R, H), embed[tokens.reshape(-1).clamp(0, rows)],
+                                          self.keep)
+        root_ids, root_p = self.predictor.predict_p(root_hidden, embed[roots.clamp(0, rows)], self.keep)  # [B, L, k]
+        live = to_device(list(active), dev, torch.bool)
+        miss = (1 - root_p * live[:, None, None]).reshape(-1)  # the live roots' experts: B = 1 - prod(1 - p)
+        flat = (torch.arange(L, device=dev)[None, :, None] * N + root_ids).reshape(-1)
+        buffer = 1 - torch.ones(L * N, device=dev).scatter_reduce_(0, flat, miss, "prod").view(L, N)
+        root_unique = buffer.sum(dim=1)
+        n_live = max(sum(bool(a) for a in active), 1)
+        opening = self.root_unique if self.root_unique is not None else np.full(
+            L, min(N, n_live * self.target.config.moe.top_k), dtype=np.float64)
+        step_s = self.pricer.base_s(n_live, opening, self.rest_s)
+        self.rate = step_s / n_live
+        state = to_device([step_s, float(n_live)], dev, torch.float64)
+        num = to_device([R if a else 0 for a in active], dev, torch.int32)
+        cand_parents = (cand["parents"][:, 1:] - 1).int()  # node index -> candidate index (the root: -1)
+        selected, count = select_cost_aware_cuda(
+            cand_parents, cand["depth"][:, 1:].contiguous(), self.calibration.log_accept_tensor(cand["scores"][:, 1:]),
+            num, ids.view(B, R, L, self.keep).int(), p.view(B, R, L, self.keep).contiguous(), buffer,
+            self.pricer.costs, self.total_tokens, state)
+        t_tokens, t_parents, t_depth, t_mask, num_nodes = tree_from_selection_cuda(
+            selected, count, cand_parents, tokens.int(), roots.int(), self.total_tokens)
+        pad = torch.arange(M1, device=dev)[None] >= num_nodes[:, None]  # [B, M + 1]
+        t_tokens = torch.where(pad, roots[:, None], t_tokens.long())
+        t_mask[:, :, 0] = torch.where(pad, 1, t_mask[:, :, 0])  # (a padding row: the root's own bit)
+        chosen = torch.where(selected < 0, R, selected).sort(dim=1).values.long()  # candidate order, then R
+        if R < M1 - 1:
+            chosen = torch.cat([chosen, chosen.new_full((B, M1 - 1 - R), R)], dim=1)
+        chosen = chosen[:, : M1 - 1]
+        scores = torch.cat([torch.zeros(B, 1, device=dev), cand["scores"][:, 1:].gather(1, chosen.clamp(max=R - 1))],
+                           dim=1)
+        scores = scores.masked_fill(pad, 0.0)
+        picked = torch.cat([c.new_full((B, 1), -1), c.gather(1, chosen.clamp(max=R - 1))], dim=1)
+        picked = picked.masked_fill(pad, -1).int()
+        self._read = ((num_nodes, scores.view(torch.int32).reshape(-1), root_unique.view(torch.int32),
+                       buffer.sum(dim=1).view(torch.int32)), (B, M1, L))
+        return [DraftTree(t_tokens[b], t_parents[b], t_depth[b], t_mask[b], None, scores[b], picked[b])
+                for b in range(B)]

@@ -79,12 +79,19 @@ class Eagle3Policy:
                                  "LLM(..., predictor=ExpertPredictor.load(<dir>))")
             pricer = StepPricer(shape_from_config(target.config), default_hardware(), depth=config.depth,
                                 top_k=config.top_k, tokens=config.total_tokens + 1)
-            self.selector = CostAwareTrees(target, predictor, pricer, config.total_tokens)
+            self.selector = CostAwareTrees(target, predictor.to(target.device), pricer, config.total_tokens)
 
     @property
     def max_tree_nodes(self) -> int:
         K, D = self.config.top_k, self.config.depth
         return min(self.config.total_tokens, K + (D - 1) * K * K) + 1
+
+    @property
+    def device_selection(self) -> bool:
+        """Whether the eco policies' rounds and selection stay on the target's GPU
+        (:meth:`moespec.spec.cost_aware.CostAwareTrees.device_trees`: no host synchronisation until
+        the acceptance; on the CPU, the native core and the host selection)."""
+        return self.selector is not None and self.target.device.type != "cpu"
 
     @property
     def static_round(self) -> bool:
@@ -94,14 +101,18 @@ class Eagle3Policy:
     def _builder(self, batch: int) -> TreeBuilder:
         """EAGLE-2's rounds keep their trees on the target's device (a GPU's: the fused core, a kernel a
         level, no host synchronisation between levels; captured with a static round; a static round
-        on the CPU: the torch core). The eco policies' rounds, whose
-        cost-aware choice reads every level on the host anyway, build them there with the native core,
-        beside a GPU too (an H200: 0.29-0.39 ms a round with the levels' top-k on the GPU, against 3.4 ms
-        of the torch core's small kernels; tests/gpu/bench_runtime_cuda.py "draft round")."""
+        on the CPU: the torch core). The eco policies' rounds on the CPU build them with the native
+        core for the host selection; on a GPU on the device, with total_tokens the selection's
+        candidate pool (:meth:`moespec.spec.cost_aware.CostAwareTrees.candidate_cap`; until
+        2026-12-06 a GPU's eco rounds built their trees on the host too, about ten synchronisations a
+        step)."""
         if batch not in self._builders:
             c = self.config
-            on_host = self.selector is not None
-            self._builders[batch] = TreeBuilder(batch, depth=c.depth, top_k=c.top_k, total_tokens=c.total_tokens,
+            on_host = self.selector is not None and not self.device_selection
+            total = c.total_tokens
+            if self.device_selection:
+                total = self.selector.candidate_cap(c.top_k + (c.depth - 1) * c.top_k ** 2)
+            self._builders[batch] = TreeBuilder(batch, depth=c.depth, top_k=c.top_k, total_tokens=total,
                                                 d2t=self.head.d2t, device="cpu" if on_host else self.target.device,
                                                 core=self._static_core() if self.static_round else None)
         return self._builders[batch]
@@ -187,12 +198,12 @@ class Eagle3Policy:
                                        budget=self.budget, read_back=flags is None, borrow=True)
         verify_s = time.perf_counter() - verify_start
         run.last_expert_stats = out.expert_stats
-        run.last_predicted_unique = None if self.selector is None else self.selector.predicted_unique
         # every request accepts where the logits are, all at once (one copy back per step; sampled ones
-        # with uniforms from their own generators)
-        accepted, problems = accept_trees([t if a else None for t, a in zip(trees, active)], out.logits,
-                                          [r.params for r in batch], [r.generator for r in batch],
-                                          also=[flags] if flags is not None else [])
+        # with uniforms from their own generators; a GPU selection's own values in the same copy)
+        also = ([flags] if flags is not None else []) + (self.selector.to_read if self.selector is not None else [])
+        accepted, values = accept_trees([t if a else None for t, a in zip(trees, active)], out.logits,
+                                        [r.params for r in batch], [r.generator for r in batch], also=also)
+        problems, values = (values[:flags.numel()], values[flags.numel():]) if flags is not None else ([], values)
         if flags is not None and not all(problems):
             run.cache.pending = None  # (the verified trees are dropped: nothing of them is committed)
             self._builder(len(batch)).raise_recorded(problems)
@@ -202,7 +213,8 @@ class Eagle3Policy:
         if self.selector is not None:  # what the step cost besides its verify pass prices the next tree
             live = [b for b in range(len(batch)) if active[b]]
             self.selector.observe_step(time.perf_counter() - clock - verify_s, [trees[b] for b in live],
-                                       [accepted[b].path for b in live])
+                                       [accepted[b].path for b in live], live, values)
+            run.last_predicted_unique = self.selector.predicted_unique
         return [a.tokens if a else None for a in accepted]
 
     @staticmethod
@@ -222,7 +234,8 @@ class Eagle3Policy:
         their round's problem flags on the device, the torch core's trees not read back and not copied
         (views of the builder's buffers, their paths None: :meth:`moespec.spec.tree.TreeBuilder.deferred_trees`;
         a step uses them before its next round), or None where the round was checked on the host (the
-        native core, a cost-aware choice)."""
+        native core, a cost-aware choice on the host). A GPU's cost-aware choice returns the round's flags
+        and leaves its own values to read back (:attr:`moespec.spec.cost_aware.CostAwareTrees.to_read`)."""
         active = [True] * len(roots) if active is None else active
         dc = run.extra["draft_cache"]
         builder = self._builder(len(roots))
@@ -239,7 +252,10 @@ class Eagle3Policy:
             n = to_device(dc.lengths, self.target.device, torch.long)  # [B] accepted draft entries
             level_hidden = self._grow(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"], n,
                                       active)
-            if self.selector is not None:
+            if self.device_selection:
+                trees = self.selector.device_trees(builder, run.extra["draft_hidden"], level_hidden, active)
+                flags = builder.deferred_trees()[1]
+            elif self.selector is not None:
                 trees = self.selector.trees(builder, roots, run.extra["draft_hidden"], level_hidden, active)
             elif deferred and builder.on_device:
                 builder.finalize_device()
@@ -281,7 +297,7 @@ class Eagle3Policy:
     def _grow(self, builder: TreeBuilder, dc, roots, draft_logits: torch.Tensor, draft_hidden: torch.Tensor,
               n: torch.Tensor, active) -> list[torch.Tensor]:
         """expand_root from the draft's output after each root, then up to depth - 1 expansions of the
-        K frontier nodes through the head (the eco policies stop where a level cannot pay); ``n`` long
+        K frontier nodes through the head (the eco policies on the CPU stop where a level cannot pay); ``n`` long
         [B]: each request's accepted draft entries, on the device. The frontier's visibility is kept as
         mask words over the scratch slots (bit i: slot n[b] + i; the accepted prefix is always seen), as
         :meth:`_grow_native` keeps it, and the head attends those slots only
@@ -307,8 +323,9 @@ class Eagle3Policy:
         positions = (n[None, :] + offsets[:, None])[:, :, None].expand(c.depth - 1, B, K)  # [depth - 1, B, K]
         cos, sin = (t.view(c.depth - 1, B * K, -1) for t in head.rope_rows(dc, positions))
         for d in range(1, c.depth):
-            if self.selector is not None and not self.selector.worth_expanding(frontier.scores, active):
-                break  # no node of a deeper level can pay for it (the eco policies)
+            host_selection = self.selector is not None and not self.device_selection
+            if host_selection and not self.selector.worth_expanding(frontier.scores, active):
+                break  # no node of a deeper level can pay for it (the eco policies on the CPU)
             level_start = time.perf_counter()
             own = slots[d - 1]  # [K] the level's scratch slots, relative to n
             words |= bits[d - 1]  # each node sees itself (its own slot's bit)
@@ -321,6 +338,7 @@ class Eagle3Policy:
             parent = frontier.parent_slot.long().to(dev)[:, :, None]  # [B, K, 1]
             if self.selector is not None:
                 level_hidden.append(out.hidden)
+            if host_selection:
                 self.selector.observe_level(time.perf_counter() - level_start)
             hidden = out.hidden.gather(1, parent.expand(B, K, H))
             words = words.gather(1, parent.expand(B, K, words.shape[-1]))

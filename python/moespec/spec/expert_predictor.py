@@ -136,19 +136,35 @@ class ExpertPredictor:
         return int(self.weight.shape[0])
 
     @property
+    def device(self):
+        return self.weight.device
+
+    def to(self, device) -> "ExpertPredictor":
+        """This predictor with its tensors on ``device`` (itself where they are there already)."""
+        import torch
+
+        if self.weight.device == torch.device(device):
+            return self
+        from moespec._tensor import to_device
+
+        return ExpertPredictor(*(to_device(t, device) for t in (self.weight, self.bias, self.mean, self.std)),
+                               self.meta)
+
+    @property
     def num_experts(self) -> int:
         return int(self.weight.shape[1])
 
     def scores(self, parent_hidden, token_embed):
-        """parent_hidden, token_embed [C, H] -> expert logits float32 [C, L, N] (up to
-        NATIVE_MAX_ROWS rows with bf16 weights and inputs, fp32 accumulation; above, in fp32)."""
+        """parent_hidden, token_embed [C, H] -> expert logits float32 [C, L, N] (on a GPU, and on the
+        CPU up to NATIVE_MAX_ROWS rows: with bf16 weights and inputs, fp32 accumulation; training-sized
+        batches on the CPU: in fp32)."""
         import torch
 
         from moespec.ops.linear import NATIVE_MAX_ROWS, linear
 
         x = (torch.cat([parent_hidden.float(), token_embed.float()], dim=-1) - self.mean) / self.std  # [C, D]
         L, N, D = self.weight.shape
-        if x.shape[0] <= NATIVE_MAX_ROWS:  # a draft tree's nodes: the native bf16 kernel reads the weights once
+        if x.shape[0] <= NATIVE_MAX_ROWS or x.is_cuda:  # a draft tree's nodes: the native bf16 kernel reads the weights once
             if self._weight_bf16 is None:
                 self._weight_bf16 = self.weight.reshape(L * N, D).to(torch.bfloat16).contiguous()  # [L N, D]
             logits = linear(x.to(torch.bfloat16), self._weight_bf16).float()

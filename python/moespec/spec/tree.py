@@ -458,6 +458,13 @@ class TreeBuilder:
             raise ValueError("finalize_device: the native core finalizes on the host: call finalize")
         self._core.finalize(self._current_layout()[1])
 
+    def finalized(self) -> dict[str, torch.Tensor]:
+        """The last :meth:`finalize_device`'s trees as batch tensors (views of the buffers, [B, M + 1]):
+        tokens, parents, depth, scores, candidates (the eco policies' GPU selection takes its
+        candidates from them, moespec.spec.cost_aware.CostAwareTrees.device_trees)."""
+        out = self._current_layout()[1]
+        return {k: out[k] for k in ("tokens", "parents", "depth", "scores", "candidates")}
+
     @property
     def on_device(self) -> bool:
         """Whether the torch core builds the trees (finalize_device, finalize_host, deferred_trees)."""
