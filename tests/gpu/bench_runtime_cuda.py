@@ -172,20 +172,28 @@ def draft_round_ms(batch: int, core: str, K: int = 8, depth: int = 6, total: int
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def eagle3_step_parts(m: TargetModel, label: str, steps: int = 12) -> tuple[dict, dict]:
+def eagle3_step_parts(m: TargetModel, label: str, steps: int = 12, policy: str = "eagle3") -> tuple[dict, dict]:
     """A greedy eagle3 step (graphs backend, depth 4 / top-k 4 / 8 nodes, one request, an untrained head)
     on the model: its wall time as it runs, then with a synchronisation around each part (draft, verify,
     acceptance, commit, catch-up), so that the parts' shares are visible; ms per step. Also the step's
-    kernels (:func:`profiled`: with draft graphs, the round's and the catch-up's inside their replays)."""
+    kernels (:func:`profiled`: with draft graphs, the round's and the catch-up's inside their replays).
+    ``policy`` "eco": the same step with the cost-aware selection on the GPU (a random expert predictor;
+    the draft part includes the prediction and the selection)."""
     from moespec import SamplingParams, SpeculativeConfig
     from moespec.spec import eagle3_policy
     from moespec.spec.eagle3_policy import Eagle3Policy
+    from moespec.spec.expert_predictor import ExpertPredictor
     from moespec.spec.llm import _Request
     from moespec.spec.train import new_head
 
     m.backend_name = "graphs"
     head = new_head(m.config, m.weights.embed, None, seed=0).to(CUDA)
-    policy = Eagle3Policy(m, head, SpeculativeConfig("eagle3", depth=4, top_k=4, total_tokens=8))
+    predictor = None
+    if policy == "eco":
+        L, N, D = len(m.config.moe.layers), m.config.moe.num_experts, 2 * m.config.hidden_size
+        predictor = ExpertPredictor(torch.randn(L, N, D) * D ** -0.5, torch.zeros(L, N), torch.zeros(D), torch.ones(D))
+        os.environ.setdefault("MOESPEC_HARDWARE", "h200")  # (the selection's prices: the measured H200 profile)
+    policy = Eagle3Policy(m, head, SpeculativeConfig(policy, depth=4, top_k=4, total_tokens=8), predictor=predictor)
     request = _Request(0, None, torch.randint(0, V, (CONTEXT,)).tolist(),
                        SamplingParams(max_tokens=8 * (2 * steps + 10), ignore_eos=True), set())
     run = policy.start([request])
@@ -332,6 +340,11 @@ def main() -> int:
               + ", ".join(f"{k} {v:.3f} ms" for k, v in step_parts[label].items()))
         save()
     os.environ.pop("MOESPEC_DRAFT_GRAPHS")
+    label = "eco, selection on the GPU"  # (since 2026-12-06; before, on the host: ~10 synchronisations a step)
+    step_parts[label], step_kernels[label] = eagle3_step_parts(m, label, policy="eco")
+    print(f"eco step (depth 4, top-k 4, 8 nodes, graphs backend): "
+          + ", ".join(f"{k} {v:.3f} ms" for k, v in step_parts[label].items()))
+    save()
     results["kernels"] = {T: kernel_table(m, cache, T) for T in (1, 16)}
     save()
     rounds = results["draft_round_ms"] = {f"B={B} {core}": draft_round_ms(B, core) for B in (1, 8)

@@ -483,7 +483,7 @@ class CostAwareTrees:
         with the last step's results; the first step: top-k per root), so S lags the host
         selection's by a step; only which drafted nodes are verified depends on it.
 
-        Returns one DraftTree per request ([M + 1] rows, M = total_tokens, ``paths`` None): a tree
+        Returns one DraftTree per request ([M + 1] rows, M = min(total_tokens, R), ``paths`` None): a tree
         of fewer nodes is padded with copies of its root (token, depth 0, the root's mask row, parent
         -1: never on a path, and the verify pass computes the root's hidden states for them, so they
         route to the root's experts and read no other). :attr:`to_read` lists what
@@ -496,7 +496,8 @@ class CostAwareTrees:
         builder.finalize_device()
         cand = builder.finalized()
         B, R1 = cand["tokens"].shape
-        R, M1, K = R1 - 1, self.total_tokens + 1, builder.top_k
+        R, K = R1 - 1, builder.top_k
+        M1 = min(self.total_tokens, R) + 1  # (the policy's largest tree: its cache's room)
         dev, H = root_hidden.device, root_hidden.shape[-1]
         L, N = self.predictor.num_layers, self.predictor.num_experts
         embed = self.target.weights.embed
@@ -528,7 +529,7 @@ class CostAwareTrees:
             num, ids.view(B, R, L, self.keep).int(), p.view(B, R, L, self.keep).contiguous(), buffer,
             self.pricer.costs, self.total_tokens, state)
         t_tokens, t_parents, t_depth, t_mask, num_nodes = tree_from_selection_cuda(
-            selected, count, cand_parents, tokens.int(), roots.int(), self.total_tokens)
+            selected, count, cand_parents, tokens.int(), roots.int(), M1 - 1)
         pad = torch.arange(M1, device=dev)[None] >= num_nodes[:, None]  # [B, M + 1]
         t_tokens = torch.where(pad, roots[:, None], t_tokens.long())
         t_mask[:, :, 0] = torch.where(pad, 1, t_mask[:, :, 0])  # (a padding row: the root's own bit)
