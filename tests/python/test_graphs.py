@@ -353,11 +353,11 @@ def test_the_captured_round_and_catch_up_read_nothing_back(folder, monkeypatch):
 def test_a_greedy_ar_step_reads_the_device_back_once(folder, monkeypatch):
     """Plain decoding of a batch on the graphs backend, with the argmax as a GPU takes it: one host
     read a step (the batch's tokens in one copy), not one a request (2026-12-06)."""
-    from moespec.spec import policies
+    from moespec.spec import policies, sampling
 
     target = load(folder, "fp32")
     target.backend_name = "graphs"
-    monkeypatch.setattr(policies, "greedy_choice", lambda logits: logits.max(dim=-1).indices)
+    monkeypatch.setattr(sampling, "greedy_choice", lambda logits: logits.max(dim=-1).indices)
     _, requests, step = started(policies.ARPolicy(target), [SamplingParams(max_tokens=20, ignore_eos=True)] * 2)
     reads = _host_reads(monkeypatch, step, 4)
     assert sum(reads.values()) == 4, dict(reads)

@@ -181,3 +181,36 @@ def test_batched_greedy_acceptance_equals_the_walk(sizes, seed, on_host):
         assert probabilities(logits[b, m.path[-1]], hot)[m.tokens[-1]] > 0
         single = accept(tokens, parents, logits[b, :n], hot, torch.Generator().manual_seed(seed + b))
         assert (m.path, m.tokens) == (single.path, single.tokens)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["greedy", "hot", "top_p", "done"]), min_size=1, max_size=5), st.integers(0, 2**16),
+       st.booleans())
+def test_sample_rows_draws_as_sample_does_with_one_copy_back(kinds, seed, on_cuda):
+    """sample_rows (a batch's first tokens and ar's decode tokens) gives each live row what sample()
+    gives it with the same generator state (the greedy argmax; a sampled row's draw from its own
+    generator), None for a finished row; on CUDA (the virtual device of tests/python/virtual_cuda.py)
+    with one synchronisation for the whole batch (one a sampled request before 2026-12-06)."""
+    import contextlib
+
+    from virtual_cuda import virtual_cuda
+
+    from moespec.spec.sampling import sample, sample_rows
+
+    table = {"greedy": SamplingParams(), "hot": SamplingParams(temperature=0.8), "done": SamplingParams(),
+             "top_p": SamplingParams(temperature=1.2, top_p=0.7, top_k=20)}
+    params, live = [table[k] for k in kinds], [k != "done" for k in kinds]
+    logits = torch.randn(len(kinds), 97, generator=torch.Generator().manual_seed(seed)) * 3
+
+    def generators():
+        return [torch.Generator().manual_seed(seed + b) for b in range(len(kinds))]
+
+    want = [sample(logits[b], p, g) if a else None for b, (p, g, a) in enumerate(zip(params, generators(), live))]
+    with virtual_cuda() if on_cuda else contextlib.nullcontext() as mode:
+        rows = logits.to("cuda") if on_cuda else logits
+        if on_cuda:
+            del mode.syncs[:]  # (the logits' copy to the device)
+        got = sample_rows(rows, params, generators(), live)
+        if on_cuda:
+            assert len(mode.syncs) == (1 if any(live) else 0), mode.syncs
+    assert got == want

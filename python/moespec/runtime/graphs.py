@@ -75,7 +75,7 @@ class StaticStep:
         self.mask_words: Optional[torch.Tensor] = None  # int32 [B, T, W]: the fused forward's mask rows
         # the fused forward's fixed geometry: B requests of T tokens each
         self.offsets = torch.arange(0, B * T + 1, T, **long)
-        self.groups = attention_groups(list(range(0, B * T + 1, T))).to(device)
+        self.groups = to_device(attention_groups(list(range(0, B * T + 1, T))), device)  # (no stream sync)
         self.graph = None
         self.out: Optional["ForwardOutput"] = None
 

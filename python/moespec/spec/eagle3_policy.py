@@ -38,7 +38,7 @@ from moespec.models import TargetModel
 from moespec.spec.draft_graph import PathFeatures, StaticCatchUp, StaticDraftRound, causal_words
 from moespec.spec.eagle3 import Eagle3Head, load_eagle3
 from moespec.spec.policies import Run, _cache_len, host_single_threaded
-from moespec.spec.sampling import accept_trees, sample
+from moespec.spec.sampling import accept_trees, sample_rows
 from moespec.spec.tree import TreeBuilder, default_device_core
 
 
@@ -130,7 +130,7 @@ class Eagle3Policy:
         cache = self.target.new_cache(B, _cache_len(batch, self.max_tree_nodes + 1))
         prompts = [r.prompt_ids for r in batch]
         out = self.target.prefill(cache, prompts)
-        first = [sample(out.logits[b], r.params, r.generator) for b, r in enumerate(batch)]
+        first = sample_rows(out.logits, [r.params for r in batch], [r.generator for r in batch])
         draft_cache = self.head.new_cache(B, _cache_len(batch, D + 2) + (D - 1) * K)
         run = Run(cache, first, extra={"draft_cache": draft_cache})
         # catch-up entry s of request b: target features of prompt position s, token s + 1

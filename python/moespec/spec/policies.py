@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from moespec.models import KVCache, TargetModel
-from moespec.spec.sampling import accept, greedy_choice, sample
+from moespec.spec.sampling import accept, sample_rows
 
 
 @dataclass
@@ -72,7 +72,7 @@ class ARPolicy:
     def start(self, batch) -> Run:
         cache = self.target.new_cache(len(batch), _cache_len(batch, 2))
         out = self.target.prefill(cache, [r.prompt_ids for r in batch])
-        return Run(cache, [sample(out.logits[b], r.params, r.generator) for b, r in enumerate(batch)])
+        return Run(cache, sample_rows(out.logits, [r.params for r in batch], [r.generator for r in batch]))
 
     @host_single_threaded
     def step(self, run: Run, batch) -> list[Optional[list[int]]]:
@@ -80,9 +80,9 @@ class ARPolicy:
         run.last_expert_stats = out.expert_stats  # what the decode step's MoE layers read
         # the greedy requests' tokens in one argmax and one copy back (on a GPU, one synchronisation a
         # step, not one a request); sampled ones draw with their generators as sample() does
-        greedy = greedy_choice(out.logits).tolist() if any(r.params.greedy for r in batch) else []
-        return [None if r.finished else [greedy[b] if r.params.greedy else sample(out.logits[b], r.params, r.generator)]
-                for b, r in enumerate(batch)]
+        tokens = sample_rows(out.logits, [r.params for r in batch], [r.generator for r in batch],
+                             [not r.finished for r in batch])
+        return [None if t is None else [t] for t in tokens]
 
 
 def make_policy(target: TargetModel, draft, config, model_path: Optional[Path] = None, predictor=None):

@@ -90,6 +90,28 @@ def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]],
+                live: Optional[Sequence[bool]] = None) -> list[Optional[int]]:
+    """:func:`sample` of each row of ``logits`` [B, V] (None where ``live`` is False), with one copy back
+    (on a GPU one synchronisation a call, not one a request): the greedy rows' argmax and the sampled
+    rows' :func:`probabilities`, computed where the logits are; each sampled row then drawn on the
+    host with its request's generator, as :func:`sample` draws it."""
+    B = len(params)
+    live = [True] * B if live is None else live
+    rows = [b for b in range(B) if live[b]]
+    hot = [b for b in rows if not params[b].greedy]
+    if not hot:  # (greedy only: the argmax's copy back)
+        greedy = greedy_choice(logits).tolist() if rows else []
+        return [greedy[b] if live[b] else None for b in range(B)]
+    parts = [greedy_choice(logits).int().view(torch.float32)] if len(hot) < len(rows) else []  # (the ids' bits)
+    parts.append(torch.stack([probabilities(logits[b], params[b]) for b in hot]).reshape(-1))
+    flat = torch.cat(parts).cpu()  # the one copy back
+    greedy = flat[:B].view(torch.int32).tolist() if len(hot) < len(rows) else []
+    probs = flat[len(flat) - len(hot) * logits.shape[-1]:].view(len(hot), logits.shape[-1])
+    drawn = {b: int(torch.multinomial(probs[i], 1, generator=generators[b])) for i, b in enumerate(hot)}
+    return [None if not live[b] else drawn[b] if b in drawn else greedy[b] for b in range(B)]
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
     """One token from logits [V]: argmax when greedy, else a draw from :func:`probabilities`."""
     if params.greedy:
