@@ -89,7 +89,7 @@ def test_moespec_bench_runs_on_cuda(tmp_path):
     at its expert statistics (the verify steps' [L, 4] stats stayed on the device, and numpy cannot read
     a CUDA tensor; a finished batch's stats now come to the host in one copy), and its report named the
     CPU as the machine; `moespec bench compare --device cuda` failed at its quality proxy (host token ids
-    gathered from device log-probabilities)."""
+    gathered from device log-probabilities); eco's selection runs on the device there since 2026-12-06."""
     import json
 
     import moespec.models as mm
@@ -99,9 +99,13 @@ def test_moespec_bench_runs_on_cuda(tmp_path):
     from moespec.engine import build_engine
     from test_bench import _head_folder
 
+    from moespec.spec.expert_predictor import ExpertPredictor
+
     source = write_checkpoint("qwen3_moe", tmp_path / "source")
     draft = _head_folder(tmp_path / "draft", mm.load(source, "bf16"))
-    engine = build_engine(source, tmp_path / "engine", draft=draft, progress=False,
+    torch.manual_seed(0)
+    ExpertPredictor(torch.randn(2, 16, 128), torch.zeros(2, 16), torch.zeros(128), torch.ones(128)).save(tmp_path / "p")
+    engine = build_engine(source, tmp_path / "engine", draft=draft, predictor=tmp_path / "p", progress=False,
                           speculation={"depth": 3, "top_k": 3, "total_tokens": 6}).folder
     dataset = tmp_path / "two.jsonl"
     dataset.write_text("".join(json.dumps(x) + "\n" for x in (
@@ -112,14 +116,14 @@ def test_moespec_bench_runs_on_cuda(tmp_path):
                    "--max-batch-size", "2", "--warmup", "0", "--device", "cuda", "--report-json",
                    str(tmp_path / "report.json")])
         assert rc == 0
-        assert main(["compare", "--engine", str(engine), "--dataset", str(dataset), "--policies", "ar,eagle3+budget:5",
+        assert main(["compare", "--engine", str(engine), "--dataset", str(dataset), "--policies", "ar,eagle3+budget:5,eco",
                      "--warmup", "0", "--no-progress", "--device", "cuda", "--out-dir", str(tmp_path / "compare")]) == 0
         config = SpeculativeConfig("eagle3+budget", budget=5, depth=3, top_k=3, total_tokens=6)
         out = LLM(source, dtype="fp32", device="cuda", draft=draft, speculative_config=config).generate(
             [[5, 17, 33]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     report = json.loads((tmp_path / "report.json").read_text())
     compared = json.loads((tmp_path / "compare" / "compare.json").read_text())
-    assert compared["machine"]["device"] == "cuda:0" and len(compared["policies"]) == 2
+    assert compared["machine"]["device"] == "cuda:0" and len(compared["policies"]) == 3
     assert report["expert_statistics"]["verify_steps"] > 0, report["expert_statistics"]
     assert report["machine"]["device"] == "cuda:0" and report["machine"]["name"].startswith("virtual CUDA")
     assert report["engine"]["backend"] == "moespec (torch, cuda)"
