@@ -287,20 +287,23 @@ def _eco_policy(target, **tree):
     return Eagle3Policy(target, head, SpeculativeConfig("eco", **tree), predictor=predictor)
 
 
-def test_eco_on_cuda_is_lossless_and_synchronises_once_a_step(folder):
+@pytest.mark.parametrize("draft_graphs", ["0", "1"])
+def test_eco_on_cuda_is_lossless_and_synchronises_once_a_step(folder, draft_graphs, monkeypatch):
     """The eco policy on CUDA keeps its round, the experts' prediction, the cost-aware selection and
     the trees on the GPU (moespec.spec.cost_aware.CostAwareTrees.device_trees): greedy eco equals
     greedy decoding token for token with trees of every size (padded with copies of the root), and
     a step synchronises with the host once, the acceptance's copy back, which carries the
     selection's own values (about ten a step until 2026-12-06: the trees built and chosen on the
-    host)."""
+    host). With draft graphs (the default on a GPU) the round is a captured one, as eagle3's."""
     import warnings
 
     from test_graphs import started
 
+    monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", draft_graphs)
     target = mm.load(folder, "fp32", device="cuda")
     policy = _eco_policy(target, depth=3, top_k=3, total_tokens=6)
     assert policy.device_selection and policy.selector.predictor.weight.is_cuda
+    assert policy.static_round == (draft_graphs == "1")
     nodes, observe = [], policy.selector.observe_step  # each step's trees' node counts (read back with it)
     policy.selector.observe_step = lambda *a: nodes.extend(a[4][:len(PROMPTS)]) or observe(*a)
     _, requests, step = started(policy, [SamplingParams(max_tokens=64, ignore_eos=True)] * len(PROMPTS), PROMPTS)
@@ -324,6 +327,33 @@ def test_eco_on_cuda_is_lossless_and_synchronises_once_a_step(folder):
     n = min(len(r.output) for r in requests)
     want = LLM(folder, dtype="fp32", device="cuda").generate(PROMPTS, SamplingParams(max_tokens=n, ignore_eos=True))
     assert [r.output[:n] for r in requests] == [o.outputs[0].token_ids for o in want]
+
+
+def test_an_eco_rounds_graph_replay_gives_the_eager_rounds_trees(folder, monkeypatch):
+    """The eco policy's captured round (draft graphs: the levels' frontier states are the graph's own
+    outputs, filled by a replay, the first step's too) hands the GPU selection the same states and
+    leads it to the same trees, step after step, as the eager round, with the step's measured time
+    held fixed (it prices the next tree)."""
+    from test_graphs import started
+
+    trees = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", flag)
+        policy = _eco_policy(mm.load(folder, "fp32", device="cuda"), depth=3, top_k=3, total_tokens=6)
+        selector, got = policy.selector, trees.setdefault(flag, [])
+        observe, choose = selector.observe_step, selector.device_trees
+        selector.observe_step = lambda rest_s, *a, observe=observe: observe(0.01, *a)
+
+        def record(*a, choose=choose, got=got):
+            out = choose(*a)
+            got.append(([h.tolist() for h in a[2]], [(t.tokens.tolist(), t.parents.tolist()) for t in out]))
+            return out
+
+        selector.device_trees = record
+        _, _, step = started(policy, [SamplingParams(max_tokens=24, ignore_eos=True)] * len(PROMPTS), PROMPTS)
+        for _ in range(5):
+            step()
+    assert trees["1"] == trees["0"] and len(trees["1"]) == 5
 
 
 def test_catch_up_graph_replay_equals_the_eager_catch_up(folder, monkeypatch):

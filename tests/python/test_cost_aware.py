@@ -377,6 +377,7 @@ def test_the_gpu_selection_chooses_the_host_selections_trees(seed, depth, top_k,
         gpu.root_unique = host.root_unique  # (the GPU's S opens at the last step's roots: here the host's)
         builder = round_on(TreeBuilder(B, depth=depth, top_k=top_k, total_tokens=gpu.candidate_cap(C), device="cuda"),
                            cuda)
+        builder.finalize_device()
         got = gpu.device_trees(builder, cuda(root_hidden), [cuda(h) for h in level_hidden], active)
         got = [{k: getattr(t, k).cpu() for k in ("tokens", "parents", "depth", "mask_words", "scores", "candidates")}
                for t in got]

@@ -475,8 +475,8 @@ class CostAwareTrees:
     def device_trees(self, builder, root_hidden, level_hidden: Sequence, active: Sequence[bool]) -> list:
         """:meth:`trees` on the GPU, with no host synchronisation: ``builder`` a device round of
         total_tokens R (:meth:`candidate_cap`), expanded to its full depth (a GPU draft level costs
-        too little to stop early: :meth:`worth_expanding` is a host decision), whose finalized trees
-        are the candidates; every candidate's experts predicted in one batch, the roots' buffer, the
+        too little to stop early: :meth:`worth_expanding` is a host decision; a captured round, with
+        draft graphs) and finalized on the device, whose trees are the candidates; every candidate's experts predicted in one batch, the roots' buffer, the
         calibrated scores, then :func:`select_cost_aware_cuda` over the batch (the same rule,
         request after request, buffer and S, A carried) and :func:`tree_from_selection_cuda`. S
         opens with :meth:`StepPricer.base_s` at the last step's roots' expected experts (read back
@@ -493,7 +493,6 @@ class CostAwareTrees:
         from moespec._tensor import to_device
         from moespec.spec.tree import DraftTree
 
-        builder.finalize_device()
         cand = builder.finalized()
         B, R1 = cand["tokens"].shape
         R, K = R1 - 1, builder.top_k

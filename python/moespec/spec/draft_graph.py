@@ -63,6 +63,7 @@ class StaticDraftRound:
         self.logits = torch.zeros(B, head.config.draft_vocab_size, dtype=torch.float32, device=dev)  # [B, Vd]
         self.hidden = torch.zeros(B, head.config.hidden_size, dtype=head.dtype, device=dev)  # [B, H]
         self.graph = None
+        self.level_hidden: list[torch.Tensor] = []  # the levels' frontier states (a cost-aware choice reads them)
 
     def run(self, roots: list[int], draft_logits: torch.Tensor, draft_hidden: torch.Tensor, deferred: bool = False):
         """This round's trees (clones) for ``roots`` and the head's output after them; ``deferred``:
@@ -79,12 +80,15 @@ class StaticDraftRound:
             self._round()
             if dev.type in self.capture_on:
                 self._capture()
+                if self.level_hidden:  # (made inside the capture, which computes nothing: a replay fills them)
+                    self.graph.replay()
         if deferred:  # (views: the step reads them before the next round rewrites the buffers)
             return self.builder.deferred_trees()
         return [t.clone() for t in self.builder.finalize_host()]
 
     def _round(self) -> None:
-        self.policy._grow(self.builder, self.dc, self.roots, self.logits, self.hidden, self.lengths, None)
+        self.level_hidden = self.policy._grow(self.builder, self.dc, self.roots, self.logits, self.hidden, self.lengths,
+                                              None)  # (captured: the graph's own buffers, rewritten by each replay)
         self.builder.finalize_device()
 
     def _capture(self) -> None:

@@ -95,8 +95,9 @@ class Eagle3Policy:
 
     @property
     def static_round(self) -> bool:
-        """Whether draft rounds run on static shapes (draft graphs, EAGLE-2's selection)."""
-        return self.draft_graphs and self.selector is None
+        """Whether draft rounds run on static shapes (draft graphs: EAGLE-2's selection, or a cost-aware
+        one on the GPU, whose round always runs its full depth)."""
+        return self.draft_graphs and (self.selector is None or self.device_selection)
 
     def _builder(self, batch: int) -> TreeBuilder:
         """EAGLE-2's rounds keep their trees on the target's device (a GPU's: the fused core, a kernel a
@@ -243,8 +244,11 @@ class Eagle3Policy:
         if self.static_round:  # static shapes: a CUDA graph on a GPU (no host synchronisation between levels)
             if self._static is None or self._static.dc is not dc or self._static.builder is not builder:
                 self._static = StaticDraftRound(self, builder, dc)
-            trees = self._static.run(roots, run.extra["draft_logits"], run.extra["draft_hidden"], deferred)
-            trees, flags = trees if deferred else (trees, None)
+            trees = self._static.run(roots, run.extra["draft_logits"], run.extra["draft_hidden"],
+                                     deferred or self.device_selection)
+            trees, flags = trees if deferred or self.device_selection else (trees, None)
+            if self.device_selection:  # (the round's finalized trees are the candidates)
+                trees = self.selector.device_trees(builder, self._static.hidden, self._static.level_hidden, active)
         elif self._host_round(dc):
             self._grow_native(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"])
             trees = [t.clone() for t in builder.finalize()]
@@ -253,6 +257,7 @@ class Eagle3Policy:
             level_hidden = self._grow(builder, dc, roots, run.extra["draft_logits"], run.extra["draft_hidden"], n,
                                       active)
             if self.device_selection:
+                builder.finalize_device()
                 trees = self.selector.device_trees(builder, run.extra["draft_hidden"], level_hidden, active)
                 flags = builder.deferred_trees()[1]
             elif self.selector is not None:
