@@ -238,8 +238,6 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, d
     through pinned memory (moespec._tensor.to_device, copy_from_host) and the head writes its cache without nonzero:
     torch's sync debug mode counts every other synchronisation (tests/python/test_graphs.py counts
     the host reads of the same paths on the CPU)."""
-    import warnings
-
     from test_graphs import started
 
     from moespec import SpeculativeConfig
@@ -254,11 +252,18 @@ def test_an_eagle3_step_on_cuda_synchronises_only_to_copy_results_back(folder, d
     hot = dict(temperature=0.8, top_p=0.9, seed=3) if sampled else {}
     _, _, step = started(policy, [SamplingParams(max_tokens=64, ignore_eos=True, **(hot if i else {}))
                                   for i in range(len(PROMPTS))], PROMPTS)
+    _assert_one_sync_a_step(step)
 
-    for _ in range(4):  # graph captures (the catch-up's buckets too: a capture synchronises) and first allocations
+
+def _assert_one_sync_a_step(step, steps: int = 4) -> None:
+    """After 4 warm-up steps (graph captures, the catch-up's buckets too: a capture synchronises, and
+    first allocations), ``steps`` steps synchronise at most once each, as torch's sync debug mode
+    counts them."""
+    import warnings
+
+    for _ in range(4):
         step()
     torch.cuda.synchronize()
-    steps = 4
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -295,8 +300,6 @@ def test_eco_on_cuda_is_lossless_and_synchronises_once_a_step(folder, draft_grap
     a step synchronises with the host once, the acceptance's copy back, which carries the
     selection's own values (about ten a step until 2026-12-06: the trees built and chosen on the
     host). With draft graphs (the default on a GPU) the round is a captured one, as eagle3's."""
-    import warnings
-
     from test_graphs import started
 
     monkeypatch.setenv("MOESPEC_DRAFT_GRAPHS", draft_graphs)
@@ -307,21 +310,7 @@ def test_eco_on_cuda_is_lossless_and_synchronises_once_a_step(folder, draft_grap
     nodes, observe = [], policy.selector.observe_step  # each step's trees' node counts (read back with it)
     policy.selector.observe_step = lambda *a: nodes.extend(a[4][:len(PROMPTS)]) or observe(*a)
     _, requests, step = started(policy, [SamplingParams(max_tokens=64, ignore_eos=True)] * len(PROMPTS), PROMPTS)
-    for _ in range(4):  # graph captures and first allocations
-        step()
-    torch.cuda.synchronize()
-    steps = 4
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(steps):
-                step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
-    where = sorted({f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in syncs})
-    assert len(syncs) <= steps, f"{len(syncs) / steps:.1f} synchronisations a step, at {', '.join(where)}"
+    _assert_one_sync_a_step(step)
     assert policy.selector.predicted_unique is not None and policy.selector.calibration.x.size > 0
     assert 1 < max(nodes) and min(nodes) < 7, nodes  # (trees of several nodes, padded to 7 rows)
     n = min(len(r.output) for r in requests)
