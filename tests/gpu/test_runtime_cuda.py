@@ -318,6 +318,57 @@ def test_eco_on_cuda_is_lossless_and_synchronises_once_a_step(folder, draft_grap
     assert [r.output[:n] for r in requests] == [o.outputs[0].token_ids for o in want]
 
 
+def _root_padded(tree, rows: int):
+    """``tree`` (a DraftTree) padded to ``rows`` rows as the GPU selection pads its trees: copies of the
+    root (its token, depth 0, its mask row: bit 0), parent -1."""
+    from moespec.spec.tree import DraftTree
+
+    n, pad = tree.num_nodes, rows - tree.num_nodes
+    mask = torch.zeros(rows, (rows + 31) // 32, dtype=torch.int32)
+    mask[:n, :tree.mask_words.shape[1]] = tree.mask_words
+    mask[n:, 0] = 1
+    return DraftTree(torch.cat([tree.tokens, tree.tokens[:1].repeat(pad)]),
+                     torch.cat([tree.parents, torch.full((pad,), -1, dtype=torch.int32)]),
+                     torch.cat([tree.depth, torch.zeros(pad, dtype=torch.int32)]), mask, None,
+                     torch.cat([tree.scores, torch.zeros(pad)]), torch.cat([tree.candidates, torch.full((pad,), -1,
+                                                                                                      dtype=torch.int32)]))
+
+
+@pytest.mark.parametrize("backend", ["graphs", "reference"])
+@pytest.mark.parametrize("score", ["probability", "gates"])
+def test_a_root_padded_tree_verifies_as_the_tree_under_a_budget(folder, backend, score):
+    """A tree padded with copies of its root (the eco policies' trees on a GPU) verifies as the tree
+    itself: the same logits at its nodes and, under a budget that binds, the same kept experts: the
+    padding rows weigh nothing in the budget's ranking (token weights 0) and route to the root's
+    experts. (Counted once per copy, the root's experts would outrank its children's.)"""
+    from moespec.spec.tree import Candidates, tree_from_selection
+
+    target = mm.load(folder, "fp32", device="cuda")
+    target.backend_name = backend
+    roots, children = [11, 40], [[(5, -1), (9, -1), (17, 0), (30, 1), (2, 2)], [(7, -1), (8, 0), (21, -1)]]
+    trees = []
+    for root, kids in zip(roots, children):
+        tokens, parents = torch.tensor([t for t, _ in kids]), torch.tensor([p for _, p in kids], dtype=torch.int32)
+        cands = Candidates(tokens, parents, torch.ones(len(kids), dtype=torch.int32), torch.zeros(len(kids)))
+        trees.append(tree_from_selection(root, cands, range(len(kids))))
+    budget = ExpertBudget(4, score=score)
+    outs = []
+    for given in (trees, [_root_padded(t, 9) for t in trees]):
+        cache = target.new_cache(2, 32)
+        target.prefill(cache, PROMPTS)
+        outs.append(target.verify_trees(cache, [_on(t, "cuda") for t in given], budget=budget))
+    for b, t in enumerate(trees):
+        _close(outs[1].logits[b, :t.num_nodes], outs[0].logits[b, :t.num_nodes], 1e-4, f"tree {b}")
+    assert torch.equal(outs[1].expert_stats.cpu()[:, :2], outs[0].expert_stats.cpu()[:, :2])  # natural, kept experts
+
+
+def _on(tree, device):
+    from moespec.spec.tree import DraftTree
+
+    return DraftTree(*(None if getattr(tree, k) is None else getattr(tree, k).to(device)
+                       for k in ("tokens", "parents", "depth", "mask_words", "paths", "scores", "candidates")))
+
+
 def test_an_eco_rounds_graph_replay_gives_the_eager_rounds_trees(folder, monkeypatch):
     """The eco policy's captured round (draft graphs: the levels' frontier states are the graph's own
     outputs, filled by a replay, the first step's too) hands the GPU selection the same states and

@@ -79,18 +79,21 @@ def _kernel_runs_on(device: torch.device) -> bool:
 
 def moe_forward(
     x: torch.Tensor, layer: LayerWeights, moe: MoeConfig, budget: Optional[ExpertBudget] = None,
-    impl: str = "kernel", trace: Optional[list[Routing]] = None,
+    impl: str = "kernel", trace: Optional[list[Routing]] = None, token_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes the P tokens of ``x`` [P, H] (together: the budget is per layer per batch) and runs the
     experts. Returns the feed-forward output [P, H] and the routing stats int32 [4]. ``trace``: a
-    list the natural (unbudgeted) routing is appended to (moespec.models.trace)."""
+    list the natural (unbudgeted) routing is appended to (moespec.models.trace). ``token_weights``
+    float32 [P]: the tokens' weights in the budget's ranking (0: a padding row, a copy of its tree's
+    root; default all 1)."""
     if moe.router_fp32:  # DeepSeek-V3: float32 x and weights
         logits = F.linear(x.float(), layer.router.float())
     else:  # [P, E], in the model dtype as transformers computes it
         logits = linear(x, layer.router, layer.router_bias, cpu_kernel=False)
     bias = layer.float32("score_bias")
     # (check_finite=False: a CUDA step never synchronises with the host; the CPU checks in any case.)
-    routing = route_experts(logits, moe.router, budget, bias, check_finite=False)
+    routing = route_experts(logits, moe.router, budget, bias, token_weights=token_weights if budget is not None else None,
+                            check_finite=False)
     if trace is not None:
         trace.append(routing if budget is None else route_experts(logits, moe.router, None, bias, check_finite=False))
     if impl == "reference" or not _kernel_runs_on(x.device):

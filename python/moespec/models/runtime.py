@@ -215,7 +215,7 @@ class TargetModel:
         if not any(num):
             raise ValueError("verify_trees: no tokens to run")
         seqs, parents = HostLists(trees, 0), HostLists(trees, 1)  # (read only where a backend needs the lists)
-        geo = tree_geometry(trees, cache.lengths, vocab=None if read_back else V)
+        geo = tree_geometry(trees, cache.lengths, vocab=None if read_back else V, weights=budget is not None)
         out = self.backend.forward(cache, seqs, parents, budget, last_only=False, geo=geo, borrow=borrow)
         self._observe("verify", cache, seqs, parents, out)
         cache.pending = PendingTree(parents)

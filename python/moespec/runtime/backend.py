@@ -102,6 +102,7 @@ class _Batch:
     rows: torch.Tensor  # long [P]: request of each valid token
     cols: torch.Tensor  # long [P]: its index among the request's new tokens
     slots: torch.Tensor  # long [P]: its cache slot
+    weights: Optional[torch.Tensor] = None  # float32 [P]: the tokens' weights in a budget's ranking (None: all 1)
 
 
 class ReferenceBackend:
@@ -135,9 +136,14 @@ class ReferenceBackend:
             new_vis = in_new[:, None, :] & (rel[:, None, :] <= index[None, :, None])  # [B, T, S]
         else:  # trees: ancestor-or-self rows, each built from its parent's row
             depth = torch.zeros(B, T, dtype=torch.long)
+            padding = []
             relation = torch.zeros(B, T, T, dtype=torch.bool)  # [b, i, j]: node i sees node j
             for b, ps in enumerate(parents):
                 for i, p in enumerate(ps):
+                    if i and p < 0:  # a padding row (a GPU selection's copy of the root): the root's row
+                        relation[b, i] = relation[b, 0]
+                        padding.append((b, i))
+                        continue
                     if i:
                         relation[b, i] = relation[b, p]
                         depth[b, i] = depth[b, p] + 1
@@ -146,11 +152,16 @@ class ReferenceBackend:
         visible = prefix[:, None, :] | new_vis  # [B, T, S]
         visible[:, :, 0] |= ~valid  # padded queries look at one slot (their output is discarded)
         rows, cols = valid.nonzero(as_tuple=True)
+        weights = None
+        if parents is not None and padding:  # (0: a budget ranks the experts of the unpadded trees)
+            weight = torch.ones(B, T)
+            weight[tuple(zip(*padding))] = 0.0
+            weights = weight[rows, cols]
         d = self.model.device  # built on the host, moved once (CUDA: one non-blocking copy per tensor)
         return _Batch(tokens=to_device(tokens, d), num=num, starts=starts,
                       positions=to_device(start[:, None] + depth, d), visible=to_device(visible, d),
                       valid=to_device(valid, d), rows=to_device(rows, d), cols=to_device(cols, d),
-                      slots=to_device(start[rows] + cols, d))
+                      slots=to_device(start[rows] + cols, d), weights=None if weights is None else to_device(weights, d))
 
     def _forward(self, cache: KVCache, batch: _Batch, budget: Optional[ExpertBudget], last_only: bool) -> ForwardOutput:
         model = self.model
@@ -178,7 +189,7 @@ class ReferenceBackend:
             if c.is_moe_layer(i):
                 layer_budget = budget.for_layer(len(stats)) if budget is not None else None  # len: MoE layers so far
                 y, layer_stats = moe_forward(h[batch.rows, batch.cols], layer, c.moe, layer_budget,  # valid tokens only
-                                             model.moe_impl, trace=trace)
+                                             model.moe_impl, trace=trace, token_weights=batch.weights)
                 mlp = torch.zeros_like(h)
                 mlp[batch.rows, batch.cols] = y
                 stats.append(layer_stats)

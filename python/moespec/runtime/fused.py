@@ -106,7 +106,8 @@ class FusedForward:
             x, h = rms_norm(attended, layer.post_norm, eps, residual=x, scale_fp32=c.norm_scale_fp32)
             if c.is_moe_layer(i):
                 layer_budget = budget.for_layer(len(stats)) if budget is not None else None
-                mlp, layer_stats = moe_forward(h, layer, c.moe, layer_budget, model.moe_impl)
+                mlp, layer_stats = moe_forward(h, layer, c.moe, layer_budget, model.moe_impl,
+                                               token_weights=batch.weights)
                 stats.append(layer_stats)
             else:
                 mlp = dense_mlp(h, layer)
@@ -132,6 +133,7 @@ class PackedStep:
     words: torch.Tensor  # int32 [P, W]: each token's mask row over its request's new tokens
     rows: torch.Tensor  # long [P]: each token's request
     slots: torch.Tensor  # long [P]: its cache slot
+    weights: Optional[torch.Tensor] = None  # float32 [P]: the tokens' weights in a budget's ranking (None: all 1)
 
 
 def fits_eager(model: "TargetModel", num: list[int]) -> bool:
@@ -156,7 +158,8 @@ def eager_forward(fused: FusedForward, cache: "KVCache", seqs: list[list[int]], 
     batch = PackedStep(tokens=to_device(geo.tokens.long(), d), positions=to_device(geo.positions.long(), d),
                        start=to_device(start, d), offsets=to_device(torch.tensor(geo.offsets), d),
                        groups=to_device(attention_groups(geo.offsets), d), words=to_device(geo.mask, d),
-                       rows=to_device(rows, d), slots=to_device(start[rows] + cols, d))
+                       rows=to_device(rows, d), slots=to_device(start[rows] + cols, d),
+                       weights=None if geo.weights is None else to_device(geo.weights, d))
     out = fused(cache, batch, budget)
     if last_only:  # each request's last token (zeros for a request without one)
         last = to_device([geo.offsets[b + 1] - 1 for b in range(B) if num[b]], d)

@@ -68,7 +68,9 @@ class StaticStep:
                             visible=torch.zeros(B, T, S if fused is None else 1, dtype=torch.bool, device=device),
                             valid=torch.ones(B, T, dtype=torch.bool, device=device),
                             rows=torch.arange(B, **long).repeat_interleave(T), cols=torch.arange(T, **long).repeat(B),
-                            slots=torch.zeros(B * T, **long))
+                            slots=torch.zeros(B * T, **long),
+                            weights=None if budget is None else torch.ones(B * T, device=device))
+        self.weighted = False  # whether batch.weights holds a call's weights (else all 1)
         self.pool = pool
         self.packed: Optional[torch.Tensor] = None  # long: the call's geometry, copied in by load()
         self.words = 0  # packed mask words per token
@@ -100,6 +102,15 @@ class StaticStep:
             B, T = self.batch.tokens.shape
             self.mask_words = torch.empty(B, T, self.words, dtype=torch.int32, device=self.packed.device)
         copy_from_host(self.packed, host)
+        weights = self.batch.weights
+        if weights is not None and (geo.weights is not None or self.weighted):  # (a budget's token weights)
+            if geo.weights is None:
+                weights.fill_(1.0)
+            elif geo.weights.device == weights.device:
+                weights.copy_(geo.weights)
+            else:
+                copy_from_host(weights, geo.weights)
+            self.weighted = geo.weights is not None
 
     def _unpack(self) -> tuple[torch.Tensor, ...]:
         """From ``packed``: tokens and positions long [B T], each request's first new slot long [B] and
@@ -138,7 +149,8 @@ class StaticStep:
             return self.reference._forward(self.cache, b, self.budget, last_only=False)
         B, T = b.tokens.shape
         packed = PackedStep(tokens=tokens, positions=positions, start=start, offsets=self.offsets,
-                            groups=self.groups, words=self.mask_words.view(B * T, -1), rows=b.rows, slots=slots)
+                            groups=self.groups, words=self.mask_words.view(B * T, -1), rows=b.rows, slots=slots,
+                            weights=b.weights)
         out = self.fused(self.cache, packed, self.budget)
         out.logits, out.num_tokens = out.logits.view(B, T, -1), [T] * B
         out.hidden = tuple(t.view(B, T, -1) for t in out.hidden)

@@ -31,6 +31,9 @@ class StepGeometry:
     offsets: list[int]  # [B + 1] rows of request b: [offsets[b], offsets[b + 1])
     positions: torch.Tensor  # long [P] rope positions: start + index (sequences) or start + depth (trees)
     mask: torch.Tensor  # int32 [P, W] mask words over the request's new tokens
+    # float32 [P] the tokens' weights in a budget's ranking (0: a padding row, a copy of its tree's root
+    # that no walk reaches), or None: all 1
+    weights: Optional[torch.Tensor] = None
 
     @property
     def num(self) -> list[int]:
@@ -80,11 +83,14 @@ def new_tokens(seqs: Sequence[Sequence[int]], geo: Optional[StepGeometry]) -> li
 
 
 def tree_geometry(trees: Sequence[Optional["DraftTree"]], starts: Sequence[int],
-                  vocab: Optional[int] = None) -> StepGeometry:
+                  vocab: Optional[int] = None, weights: bool = False) -> StepGeometry:
     """The packed geometry of a verify call straight from the draft trees' own tensors (DESIGN.md
     "Contracts" -> "Draft tree": tokens, depth and the packed ancestor mask; None: no tokens for that
     request), with no per-node Python work; ``vocab``: token ids clamped into [0, vocab) (trees whose
-    ids were not checked on the host: no id reaches an embedding lookup out of range)."""
+    ids were not checked on the host: no id reaches an embedding lookup out of range). ``weights``
+    (a budgeted verify): the tokens' budget weights made, 0 for a padding row (a GPU selection's copy of its root,
+    moespec.spec.cost_aware.CostAwareTrees.device_trees), so that a budget ranks the experts of the
+    unpadded tree."""
     present = [(b, t) for b, t in enumerate(trees) if t is not None and t.num_nodes]
     W = max(t.mask_words.shape[1] for _, t in present)
     offsets = [0]
@@ -93,11 +99,18 @@ def tree_geometry(trees: Sequence[Optional["DraftTree"]], starts: Sequence[int],
     tokens = torch.cat([t.tokens for _, t in present])
     if vocab is not None:
         tokens = tokens.clamp_(0, vocab - 1)
-    start = to_device([starts[b] for b, t in present for _ in range(t.num_nodes)], tokens.device, torch.long)  # [P]
+    rows = [[starts[b] for b, t in present for _ in range(t.num_nodes)]]  # each token's start (and root flag)
+    if weights:
+        rows.append([i == 0 for _, t in present for i in range(t.num_nodes)])
+    packed = to_device(rows, tokens.device, torch.long)  # [1 or 2, P]: one copy
+    start = packed[0]
     positions = torch.cat([t.depth for _, t in present]) + start  # (a few launches for any B)
     mask = torch.cat([t.mask_words if t.mask_words.shape[1] == W else F.pad(t.mask_words, (0, W - t.mask_words.shape[1]))
                       for _, t in present])
-    return StepGeometry(tokens, offsets, positions, mask.contiguous())
+    weight = None
+    if weights:  # (padding rows: parent -1 past the root)
+        weight = ((torch.cat([t.parents for _, t in present]) >= 0) | (packed[1] > 0)).float()
+    return StepGeometry(tokens, offsets, positions, mask.contiguous(), weight)
 
 
 class RopeTable:

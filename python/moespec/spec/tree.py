@@ -89,7 +89,10 @@ class DraftTree:
     tokens : Tensor int64 [M+1]
         Target token ids (node 0: the root).
     parents : Tensor int32 [M+1]
-        Parent node index, -1 for the root.
+        Parent node index, -1 for the root. A tree the eco policies choose on a GPU
+        (moespec.spec.cost_aware.CostAwareTrees.device_trees) ends in padding rows where it has
+        fewer nodes: parent -1 past the root, copies of the root (its token, depth 0, its mask row),
+        never on a path and weightless in a budget's ranking.
     depth : Tensor int32 [M+1]
         Depth below the root: the node's position offset in the verify pass.
     mask_words : Tensor int32 [M+1, W]
