@@ -14,6 +14,14 @@
 
 #include "moespec/error.h"
 
+// A kernel's dynamic shared memory as `type* name` (16-byte aligned; one per kernel). The block
+// emulator (tests/cpp/emulated/cuda_runtime.h) defines its own.
+#ifndef MOESPEC_DYNAMIC_SHARED
+#define MOESPEC_DYNAMIC_SHARED(type, name)                        \
+  extern __shared__ __align__(16) unsigned char moespec_smem_[]; \
+  type* name = reinterpret_cast<type*>(moespec_smem_)
+#endif
+
 namespace moespec {
 namespace cuda {
 namespace device {
@@ -46,15 +54,24 @@ __device__ __forceinline__ float warp_sum(float v) {
 // weights (the routing kernel's output: its primary, gate/up, triggers only after its own wait) and
 // its weight prefetch.
 __device__ __forceinline__ void wait_for_primary() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOESPEC_EMULATED)
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 // Lets the next kernel on the stream (if launched with pdl) be scheduled once every block of this
 // one has called it; its blocks then wait (wait_for_primary) for this kernel's completion.
 __device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOESPEC_EMULATED)
   asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// Asks L2 to fetch the 128-byte line at p (a hint: no result, no fault).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef MOESPEC_EMULATED
+  (void)p;
+#else
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 #endif
 }
 

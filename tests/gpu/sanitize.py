@@ -1,6 +1,7 @@
 """The newest CUDA kernels under compute-sanitizer, for tests/gpu/run.sh: a few small cases of the GPU
 tests that reach each kernel moespec wrote (the decoder ops, the linear kernel, the fused routing,
-the MoE kernel's fused pair and its four launches, the draft tree's level and finalize kernels) run under one sanitizer tool, whose report names
+the MoE kernel's fused pair and its four launches, the draft tree's level and finalize kernels, the
+cost-aware selection and its trees) run under one sanitizer tool, whose report names
 any out-of-bounds or misaligned access (memcheck) or shared-memory hazard (racecheck) with the kernel
 and the line. Hypothesis tests are left out (their deadlines do not hold at the sanitizer's speed).
 
@@ -30,6 +31,8 @@ CASES = {  # test file -> -k expression: a few small cases reaching every kernel
     "tests/gpu/test_linear_cuda.py": "2048-5120 or 64-8200 or 2048-128 or test_rows_do_not_depend",
     "tests/gpu/test_route_experts_cuda.py": "test_both_launch_paths_at_verify_sizes",
     "tests/gpu/test_draft_tree_cuda.py": "[1-fused] or [2-fused] or [10-fused] or (bad_value and fused)",
+    "tests/gpu/test_select_cost_aware_cuda.py": "request_by_request[1] or request_by_request[2] or "
+                                                "tree_from_selection[3] or buffer-in-global-memory",
 }
 UNAVAILABLE = ("Device not supported", "Target application terminated before first instrumented API call")
 

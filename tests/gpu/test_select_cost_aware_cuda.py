@@ -99,3 +99,41 @@ def test_trees_on_cuda_equal_tree_from_selection(seed):
         W = want.mask_words.shape[1]
         assert torch.equal(got[3][b, :m, :W], want.mask_words) and int(got[3][b, m:].abs().sum()) == 0
         assert bool((got[1][b, m:] == -1).all())
+
+
+@pytest.mark.parametrize("C, L, N, K", [(1024, 48, 128, 8), (64, 16, 4096, 8)],
+                         ids=["terms-in-chunks", "buffer-in-global-memory"])
+def test_a_batch_too_large_for_shared_memory_chooses_as_the_cpu(C, L, N, K):
+    """The kernel's other shared-memory plans (select_cost_aware.cuh, plan_select): 1024 candidates of
+    48 layers hold their terms in chunks; a 16 x 4096 buffer (256 KB) stays in global memory. Against
+    the C++ CPU function request by request (the rounding is the same: exact)."""
+    from moespec.spec.cost_aware import select_cost_aware_native
+
+    rng = np.random.default_rng(C + N)
+    B, total = 2, 48
+    parents = np.array([[int(rng.integers(-1, c)) if c else -1 for c in range(C)] for _ in range(B)], np.int32)
+    depth, scores = np.ones((B, C), np.int32), np.zeros((B, C), np.float32)
+    for b in range(B):
+        for c in range(C):
+            p = parents[b, c]
+            depth[b, c] = 1 if p < 0 else depth[b, p] + 1
+            scores[b, c] = (scores[b, p] if p >= 0 else 0.0) - np.float32(rng.random() * 1.5)
+    predicted = rng.integers(0, N, (B, C, L, K)).astype(np.int32)
+    predicted_p = rng.random((B, C, L, K)).astype(np.float32)
+    buffer = np.zeros((L, N), np.float32)
+    costs = SelectionCosts(1e-7, np.full(L, 2.4e-6))
+    want_buffer, want, S, A = buffer.copy(), [], 5e-3 * B, float(B)
+    for b in range(B):
+        chosen, S, A = select_cost_aware_native(parents[b], depth[b], scores[b], predicted[b], predicted_p[b],
+                                                want_buffer, costs, total, step_s=S, accepted=A)
+        want.append(chosen)
+    assert sum(map(len, want)) > B  # (the case prices some nodes in)
+    gpu_buffer = torch.from_numpy(buffer).to(CUDA)
+    state = torch.tensor([5e-3 * B, float(B)], dtype=torch.float64, device=CUDA)
+    t = lambda x: torch.from_numpy(x).to(CUDA)  # noqa: E731
+    selected, count = select_cost_aware_cuda(t(parents), t(depth), t(scores), t(np.full(B, C, np.int32)), t(predicted),
+                                             t(predicted_p), gpu_buffer, costs, total, state)
+    assert [selected[b, : int(count[b])].tolist() for b in range(B)] == want
+    assert np.array_equal(gpu_buffer.cpu().numpy(), want_buffer)
+    s, a = state.tolist()
+    assert math.isclose(s, S, rel_tol=1e-12) and math.isclose(a, A, rel_tol=1e-12)

@@ -1,4 +1,4 @@
-"""The GPU check's timing scripts (tests/gpu/bench_{runtime,moe_experts,linear}_cuda.py) run end to end
+"""The GPU check's timing scripts (tests/gpu/bench_{runtime,moe_experts,linear,select_cost_aware}_cuda.py) run end to end
 on the CPU with tiny shapes (MOESPEC_GPU_SMOKE=1, tests/gpu/gpu_common.py), and on the CPU playing a
 CUDA device (MOESPEC_GPU_SMOKE=virtual): a script's Python error shows here, not in a GPU session's few
 minutes of device time (where run.sh would also rerun it on its
@@ -26,6 +26,7 @@ SCRIPTS = {  # script -> its JSON and the keys the GPU run's JSON has
                                                      "draft_round_ms"}),
     "bench_moe_experts_cuda.py": ("moe_experts_bench.json", {"device", "copy_GBps", "rows", "timelines"}),
     "bench_linear_cuda.py": ("linear_bench.json", {"device", "copy_GBps", "rows"}),
+    "bench_select_cost_aware_cuda.py": ("select_bench.json", {"device", "rows"}),
 }
 
 
