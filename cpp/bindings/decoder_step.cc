@@ -54,7 +54,7 @@ DecoderLayerViews layer_views(const py::dict& d, std::size_t index) {
 }  // namespace
 
 void bind_decoder_step(py::module_& m) {
-  py::class_<DecoderModel>(m, "DecoderModel",
+  py::class_<DecoderModel>(m, "DecoderModel", py::module_local(),  // (local: _native_emulated binds it too)
                            "A model's decoder layers for the native step (decoder_step.h); the caller keeps the "
                            "weight tensors alive.")
       .def(py::init([](int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t vocab,

@@ -86,7 +86,7 @@ void read_candidates_binding(const DraftTreeBatch& self, int64_t b, const py::ob
 }  // namespace
 
 void bind_draft_tree(py::module_& m) {
-  py::class_<DraftTreeBatch>(m, "DraftTreeBatch",
+  py::class_<DraftTreeBatch>(m, "DraftTreeBatch", py::module_local(),  // (local: _native_emulated binds it too)
                              "EAGLE-2 dynamic draft trees of B requests expanded in lockstep (CPU).")
       .def(py::init([](int32_t batch, int32_t depth, int32_t top_k, int32_t total_tokens) {
              return DraftTreeBatch(batch, DraftTreeParams{depth, top_k, total_tokens});

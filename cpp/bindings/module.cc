@@ -205,7 +205,12 @@ void linear_binding(const py::object& x, const py::object& weight, const py::obj
 }  // namespace
 }  // namespace moespec
 
-PYBIND11_MODULE(_native, m) {
+// (MOESPEC_MODULE_NAME: _native; the build also makes _native_emulated, the same bindings over the CUDA
+// kernels' sources run by the block emulator, for tests/python/virtual_cuda.py.)
+#ifndef MOESPEC_MODULE_NAME
+#define MOESPEC_MODULE_NAME _native
+#endif
+PYBIND11_MODULE(MOESPEC_MODULE_NAME, m) {
   using namespace moespec;
   m.doc() = "moespec native core (C++ CPU kernels, CUDA kernels where built).";
 

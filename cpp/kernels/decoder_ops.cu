@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
                                                             T* __restrict__ sum, int H, float eps, bool scale_fp32) {
   wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
   launch_dependents();
-  extern __shared__ float row[];  // [H]
+  MOESPEC_DYNAMIC_SHARED(float, row);  // [H]
   __shared__ float red[kWarp];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * H;
   float squares = 0.0f;
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) attention_inputs_kernel(
     const int64_t* __restrict__ slots, T* __restrict__ q, InputsShape s) {
   wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
   launch_dependents();
-  extern __shared__ float qk[];  // [(Hq + Hkv) D]: q then k, clipped and normed
+  MOESPEC_DYNAMIC_SHARED(float, qk);  // [(Hq + Hkv) D]: q then k, clipped and normed
   __shared__ float red[kWarp];
   const int D = s.D, QD = s.Hq * D, QK = (s.Hq + s.Hkv) * D;
   const int64_t p = blockIdx.x;
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
   wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
   launch_dependents();
   constexpr int kPerWord = 4 / sizeof(T);  // elements in a 32-bit word
-  extern __shared__ uint32_t smem[];
+  MOESPEC_DYNAMIC_SHARED(uint32_t, smem);
   __shared__ int64_t new_pos[kMaxTreeTokens];  // (a window) the new slots' positions
   const int D = s.D, words = D / kPerWord, stride = words + 1;  // (odd: lane r's row r starts in bank r)
   constexpr int kPerLane = kChunk / kWarp;

@@ -37,8 +37,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(detail::Fina
   detail::finalize_block(detail::DeviceBlock{}, w);
 }
 
-void check_launch(const char* op) {
-  const cudaError_t err = cudaGetLastError();
+void check_launch(const char* op, cudaError_t err) {
   if (err != cudaSuccess) throw_runtime("moespec::cuda::", op, ": launch failed: ", cudaGetErrorString(err));
 }
 
@@ -48,8 +47,8 @@ void draft_tree_expand(const DraftExpandArgs& a, void* stream) {
   const int64_t B = check_draft_tree_expand(a, Device::kCUDA);
   if (B == 0) return;
   DeviceGuard guard(a.frontier.device_index);
-  expand_kernel<<<1, kExpandThreads, 0, static_cast<cudaStream_t>(stream)>>>(detail::expand_work(a, B));
-  check_launch("draft_tree_expand");
+  check_launch("draft_tree_expand", launch_kernel(false, expand_kernel, dim3(1), dim3(kExpandThreads), 0,
+                                                  static_cast<cudaStream_t>(stream), detail::expand_work(a, B)));
 }
 
 void draft_tree_finalize(const DraftFinalizeArgs& a, void* stream) {
@@ -60,9 +59,9 @@ void draft_tree_finalize(const DraftFinalizeArgs& a, void* stream) {
                           a.scratch.shape[1],  a.tokens.strides[0],      a.parents.strides[0],
                           a.depth.strides[0],  a.scores.strides[0],      a.candidates.strides[0],
                           a.mask.strides[0],   a.paths.strides[0]};
-  finalize_kernel<<<static_cast<unsigned>(B), kFinalizeThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      detail::finalize_work(a, 0), s);
-  check_launch("draft_tree_finalize");
+  check_launch("draft_tree_finalize",
+               launch_kernel(false, finalize_kernel, dim3(static_cast<unsigned>(B)), dim3(kFinalizeThreads), 0,
+                             static_cast<cudaStream_t>(stream), detail::finalize_work(a, 0), s));
 }
 
 }  // namespace cuda

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kWarpsK * kWarp) linear_kernel(LinearParams p)
   const char* bytes = reinterpret_cast<const char*>(w[0]);
   const int64_t mine = 2 * nrows * p.K, ahead = mine < kPrefetchBytes ? mine : kPrefetchBytes;
   for (int64_t b = static_cast<int64_t>(threadIdx.x) * 128; b < ahead; b += static_cast<int64_t>(blockDim.x) * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(bytes + b));
+    prefetch_l2(bytes + b);
   wait_for_primary();  // x is the previous kernel's output; out may still be read by it
   launch_dependents();
   const auto row_of = [=](int32_t at) { return p.x + static_cast<int64_t>(at) * p.ldx; };

@@ -573,7 +573,7 @@ __global__ void __launch_bounds__(kSplit * kWarp)
                                                    2 * f.I * f.H + r0 * f.I);
   const int64_t ahead = 32 * f.I < kPrefetchBytes ? 32 * f.I : kPrefetchBytes;  // (16 rows of 2-byte elements)
   for (int64_t b = static_cast<int64_t>(threadIdx.x) * 128; b < ahead; b += static_cast<int64_t>(blockDim.x) * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + b));
+    prefetch_l2(rows + b);
   wait_for_primary();  // h (and the zeroed counters) are complete from here on
   launch_dependents();  // (the next kernel, e.g. the norm, waits for this one's completion to read out)
   const int32_t* list = g.list;
@@ -633,6 +633,10 @@ bool fused_allowed() {
   return false;
 }
 
+void check_launch(cudaError_t err) {
+  if (err != cudaSuccess) throw_runtime("moespec::cuda::moe_experts: launch failed: ", cudaGetErrorString(err));
+}
+
 template <int kTiles>
 void launch_fused(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bound, const ActParams& p, bool round,
                   bool pdl, cudaStream_t stream) {
@@ -651,7 +655,7 @@ void launch_fused(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bou
     err = launch_kernel(pdl, down_fused_kernel<kTiles>, dim3(static_cast<unsigned>(H / 16), used_bound), block, 0,
                         stream, f, experts, biases, static_cast<const __nv_bfloat16*>(h), w.y, w.tiles,
                         a.out.ptr<__nv_bfloat16>());
-  if (err != cudaSuccess) throw_runtime("moespec::cuda::moe_experts: launch failed: ", cudaGetErrorString(err));
+  check_launch(err);
 }
 
 template <int kTiles>
@@ -662,10 +666,12 @@ void launch_mma(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bound
   const auto* experts = a.experts.ptr<const __nv_bfloat16>();
   const float* biases = a.biases.defined() ? a.biases.ptr<const float>() : nullptr;
   auto* h = static_cast<__nv_bfloat16*>(w.h);
-  up_mma_kernel<kTiles><<<dim3(static_cast<unsigned>(I / 16), used_bound), kSplit * kWarp, 0, stream>>>(
-      x, a.x.strides[0], K, experts, biases, w.offsets, w.order, w.used, h, H, I, p);
-  down_mma_kernel<kTiles><<<dim3(static_cast<unsigned>(H / 16), used_bound), kSplit * kWarp, 0, stream>>>(
-      experts, biases, w.offsets, w.used, h, w.y, H, I);
+  const dim3 block(kSplit * kWarp);
+  check_launch(launch_kernel(false, up_mma_kernel<kTiles>, dim3(static_cast<unsigned>(I / 16), used_bound), block, 0,
+                             stream, x, a.x.strides[0], K, experts, biases, w.offsets, w.order, w.used, h, H, I, p));
+  check_launch(launch_kernel(false, down_mma_kernel<kTiles>, dim3(static_cast<unsigned>(H / 16), used_bound), block,
+                             0, stream, experts, biases, w.offsets, w.used, static_cast<const __nv_bfloat16*>(h), w.y,
+                             H, I));
 }
 
 template <typename W>
@@ -695,25 +701,24 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
     return;
   }
   const unsigned group_threads = static_cast<unsigned>((E + kWarp - 1) / kWarp * kWarp);
-  group_kernel<<<1, group_threads, 0, stream>>>(ids, weights, round, T * K, static_cast<int32_t>(E), w.offsets,
-                                                w.order, w.pos, w.used, w.errors);
+  check_launch(launch_kernel(false, group_kernel, dim3(1), dim3(group_threads), 0, stream, ids, weights, round,
+                             static_cast<int32_t>(T * K), static_cast<int32_t>(E), w.offsets, w.order, w.pos, w.used,
+                             w.errors));
   if (mma) {
     with_tiles(T, [&](auto tiles) { launch_mma<decltype(tiles)::value>(a, w, used_bound, p, stream); });
   } else {
     const dim3 up_grid(static_cast<unsigned>(E), static_cast<unsigned>((I + kRowsPerBlock - 1) / kRowsPerBlock));
     const dim3 down_grid(static_cast<unsigned>(E), static_cast<unsigned>((H + kRowsPerBlock - 1) / kRowsPerBlock));
-    if (vec) {
-      up_kernel<W, true><<<up_grid, kWarps * kWarp, 0, stream>>>(x, ldx, K, experts, biases, w.offsets, w.order, h,
-                                                                   H, I, p);
-      down_kernel<W, true><<<down_grid, kWarps * kWarp, 0, stream>>>(experts, biases, w.offsets, h, w.y, H, I);
-    } else {
-      up_kernel<W, false><<<up_grid, kWarps * kWarp, 0, stream>>>(x, ldx, K, experts, biases, w.offsets, w.order,
-                                                                    h, H, I, p);
-      down_kernel<W, false><<<down_grid, kWarps * kWarp, 0, stream>>>(experts, biases, w.offsets, h, w.y, H, I);
-    }
+    const dim3 block(kWarps * kWarp);
+    auto up = vec ? up_kernel<W, true> : up_kernel<W, false>;
+    auto down = vec ? down_kernel<W, true> : down_kernel<W, false>;
+    check_launch(launch_kernel(false, up, up_grid, block, 0, stream, x, ldx, K, experts, biases, w.offsets, w.order,
+                               h, H, I, p));
+    check_launch(launch_kernel(false, down, down_grid, block, 0, stream, experts, biases, w.offsets,
+                               static_cast<const W*>(h), w.y, H, I));
   }
-  combine_kernel<W><<<static_cast<unsigned>(T), kCombineThreads, 0, stream>>>(ids, weights, round, w.pos, w.y,
-                                                                              a.out.ptr<W>(), K, H);
+  check_launch(launch_kernel(false, combine_kernel<W>, dim3(static_cast<unsigned>(T)), dim3(kCombineThreads), 0,
+                             stream, ids, weights, round, w.pos, static_cast<const float*>(w.y), a.out.ptr<W>(), K, H));
 }
 
 }  // namespace
@@ -744,8 +749,6 @@ void moe_experts(const MoeExpertsArgs& a, void* workspace, std::size_t workspace
     launch<__nv_bfloat16>(a, w, s);
   else
     launch<float>(a, w, s);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw_runtime("moespec::cuda::moe_experts: launch failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace cuda

@@ -24,17 +24,23 @@ constexpr int kMaxTiles = 8;  // n-tiles (8 tokens each) per pass over the weigh
 
 // 16 bytes of a weight stream, read once: not kept in L1.
 __device__ __forceinline__ uint4 load_stream(const __nv_bfloat16* p) {
+#ifdef MOESPEC_EMULATED
+  return *reinterpret_cast<const uint4*>(p);
+#else
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
+#endif
 }
 
 // c += A B for one m16n8k16 tile (A: 16 x 16 row-major bf16, B: 16 x 8 column-major, c: fp32).
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(MOESPEC_EMULATED)
+  ::emu::mma_bf16_16816(c, {a0, a1, a2, a3}, {b0, b1});
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
                "{%8, %9}, {%0, %1, %2, %3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])

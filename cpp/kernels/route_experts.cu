@@ -401,18 +401,13 @@ void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t wo
   }
   const unsigned token_blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const int expert_threads = round_up_warp(N);
-  if (T > 0) {
-    natural_route_kernel<<<token_blocks, kTokenThreads, 0, s>>>(p);
-    check_cuda(cudaGetLastError(), "launching natural_route_kernel");
-  }
-  budget_set_kernel<<<1, expert_threads < 2 * kWarp ? 2 * kWarp : expert_threads, 0, s>>>(p);
-  check_cuda(cudaGetLastError(), "launching budget_set_kernel");
-  if (T > 0) {
-    final_route_kernel<<<token_blocks, kTokenThreads, 0, s>>>(p);
-    check_cuda(cudaGetLastError(), "launching final_route_kernel");
-  }
-  active_kernel<<<1, expert_threads, 0, s>>>(p);
-  check_cuda(cudaGetLastError(), "launching active_kernel");
+  const dim3 tokens(token_blocks), token_block(kTokenThreads);
+  const dim3 budget_block(static_cast<unsigned>(expert_threads < 2 * kWarp ? 2 * kWarp : expert_threads));
+  if (T > 0) check_cuda(launch_kernel(false, natural_route_kernel, tokens, token_block, 0, s, p), "launching natural_route_kernel");
+  check_cuda(launch_kernel(false, budget_set_kernel, dim3(1), budget_block, 0, s, p), "launching budget_set_kernel");
+  if (T > 0) check_cuda(launch_kernel(false, final_route_kernel, tokens, token_block, 0, s, p), "launching final_route_kernel");
+  check_cuda(launch_kernel(false, active_kernel, dim3(1), dim3(static_cast<unsigned>(expert_threads)), 0, s, p),
+             "launching active_kernel");
 }
 
 }  // namespace cuda

@@ -99,20 +99,15 @@ void select_cost_aware(const SelectCostAwareBatchArgs& a, void* stream) {
                       cudaGetErrorString(err));
       limit.store(plan.bytes);
     }
-    kernel<<<1, kSelectThreads, static_cast<std::size_t>(plan.bytes), s>>>(
-        a.parents.ptr<const int32_t>(), a.depth.ptr<const int32_t>(), a.scores.ptr<const float>(),
+    return launch_kernel(
+        false, kernel, dim3(1), dim3(kSelectThreads), static_cast<std::size_t>(plan.bytes), s, a.parents.ptr<const int32_t>(), a.depth.ptr<const int32_t>(), a.scores.ptr<const float>(),
         a.num_candidates.ptr<const int32_t>(), a.predicted.ptr<const int32_t>(),
         a.predicted_p.defined() ? a.predicted_p.ptr<const float>() : nullptr, a.buffer.ptr<float>(),
         a.expert_s.ptr<const float>(), state, a.selected.ptr<int32_t>(), a.count.ptr<int32_t>(),
         static_cast<int>(B), static_cast<int>(C), static_cast<int>(L), static_cast<int>(K), static_cast<int>(N),
         token_s, a.cost_scale, a.total_tokens, static_cast<int>(plan.chunk), plan.buffer_shared);
   };
-  if (state_f32) {
-    launch(a.state.ptr<float>());
-  } else {
-    launch(a.state.ptr<double>());
-  }
-  const cudaError_t err = cudaGetLastError();
+  const cudaError_t err = state_f32 ? launch(a.state.ptr<float>()) : launch(a.state.ptr<double>());
   if (err != cudaSuccess) throw_runtime("moespec::cuda::select_cost_aware: launch failed: ", cudaGetErrorString(err));
 }
 
@@ -140,13 +135,12 @@ void tree_from_selection(const TreeFromSelectionArgs& a, void* stream) {
   MOESPEC_CHECK_ARG(C <= 12 * 1024, "selected", "at most 12288 candidates per request (48 KB of shared memory), got ", C);
   if (B == 0) return;
   DeviceGuard guard(dev);
-  tree_kernel<<<static_cast<unsigned>(B), 32, sizeof(int32_t) * static_cast<std::size_t>(C),
-                static_cast<cudaStream_t>(stream)>>>(
-      a.selected.ptr<const int32_t>(), a.count.ptr<const int32_t>(), a.cand_parents.ptr<const int32_t>(),
+  const cudaError_t err = launch_kernel(
+      false, tree_kernel, dim3(static_cast<unsigned>(B)), dim3(32), sizeof(int32_t) * static_cast<std::size_t>(C),
+      static_cast<cudaStream_t>(stream), a.selected.ptr<const int32_t>(), a.count.ptr<const int32_t>(), a.cand_parents.ptr<const int32_t>(),
       a.cand_tokens.ptr<const int32_t>(), a.root_tokens.ptr<const int32_t>(), a.tokens.ptr<int32_t>(),
       a.parents.ptr<int32_t>(), a.depth.ptr<int32_t>(), a.mask.ptr<int32_t>(), a.num_nodes.ptr<int32_t>(),
       static_cast<int>(C), static_cast<int>(M1), static_cast<int>(W));
-  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw_runtime("moespec::cuda::tree_from_selection: launch failed: ", cudaGetErrorString(err));
 }
 

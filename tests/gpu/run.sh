@@ -37,7 +37,7 @@ if [[ -n "${TensorRT_ROOT:-}" ]]; then
 fi
 log "configure ($BUILD, CUDA architectures ${CUDA_ARCHS:-90a}${trt:+, TensorRT plugins}) -> $LOGS/configure.log"
 cmake -S . -B "$BUILD" -G Ninja -DPython_EXECUTABLE="$PY" -DMOESPEC_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DMOESPEC_INPLACE=ON -DCMAKE_BUILD_TYPE=Release -DMOESPEC_WERROR=OFF \
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DMOESPEC_INPLACE=ON -DCMAKE_BUILD_TYPE=Release -DMOESPEC_WERROR=OFF -DMOESPEC_EMULATED=OFF \
   "${trt[@]}" \
   2>&1 | tee "$LOGS/configure.log"
 

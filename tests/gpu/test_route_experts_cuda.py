@@ -289,7 +289,7 @@ def test_workspace_too_small_is_a_value_error():
     workspace = torch.empty(need - 1, dtype=torch.uint8, device=CUDA)
     with pytest.raises(ValueError, match="workspace"):
         native().route_experts(view(logits, "router_logits"), None, None, view(ids, "ids"), view(weights, "weights"),
-                               view(active, "active"), view(stats, "stats"), 0, k, True, 1, 1, 1.0, 0, 0, 0.0, 8,
+                               view(active, "active"), view(stats, "stats"), 0, k, True, 1, 1, 1.0, 0, 0, 0.0, 0, 8,
                                view(workspace, "workspace"), torch.cuda.current_stream().cuda_stream)
 
 

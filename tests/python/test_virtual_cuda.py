@@ -3,7 +3,12 @@ and the GPU tests of the runtime and the draft tree (tests/gpu/test_runtime_cuda
 test_draft_tree_cuda.py) pass on it, so that a device mistake in moespec's CUDA branches (a host
 tensor in a device op, a read back inside a captured graph, a synchronisation too many a step) fails
 here, not in a GPU session. (Until 2026-12-06 MOESPEC_FUSED_STEP=0's draft round read its packing
-back inside the capture: the first GPU run would have failed on it; this finds it.)"""
+back inside the capture: the first GPU run would have failed on it; this finds it.) And the kernel
+tests of tests/gpu pass on it with the kernels' CUDA source run by the block emulator
+(MOESPEC_VIRTUAL_KERNELS=emulated: moespec._native_emulated), so that a kernel's logic (indexing,
+barriers, shuffles, mma fragments, launch geometry) is held to the CPU ops at every ./build.sh test.
+(Until 2026-12-07 test_route_experts_cuda.py's workspace test called the op with one argument too
+few: a GPU session would have failed on it; this finds it.)"""
 
 from __future__ import annotations
 
@@ -75,13 +80,52 @@ def test_a_graph_records_native_launches_and_refuses_a_read_back():
             route_experts(logits, RouterSpec("softmax", 2, True), token_weights=torch.ones(4, 8))
 
 
-def test_the_gpu_tests_of_the_runtime_and_the_draft_tree_pass_on_it():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests" / "python")])}
+# Each kernel's tests but their largest shapes (the same code as the smaller ones, minutes on the
+# emulator; a GPU session runs them): Qwen3's full layer, 300-token trees, a 32000-row vocabulary.
+KERNEL_TESTS = ["tests/gpu/test_route_experts_cuda.py", "tests/gpu/test_draft_tree_cuda.py",
+                "tests/gpu/test_select_cost_aware_cuda.py", "tests/gpu/test_moe_experts_cuda.py",
+                "tests/gpu/test_decoder_ops_cuda.py", "tests/gpu/test_linear_cuda.py"]
+LARGEST = "not 16-2048-768-128-8 and not 300-dtype and not random_trees and not 2048-32000"
+
+
+def test_native_launches_run_the_emulated_kernels(monkeypatch):
+    """With kernels="emulated" a native launch on virtual CUDA tensors reaches moespec._native_emulated
+    (the kernel's source, CUDA descriptors of the host memory), and gives the CPU op's result."""
+    from moespec import _native_emulated
+    from moespec.ops import moe_experts
+
+    calls = []
+    real = _native_emulated.moe_experts
+
+    def spy(*args):
+        calls.append([a[4] for a in args if isinstance(a, tuple)])  # (the descriptors' device types)
+        return real(*args)
+
+    monkeypatch.setattr(_native_emulated, "moe_experts", spy)
+    gen = torch.Generator().manual_seed(0)
+    x, weights = torch.randn(3, 64, generator=gen).bfloat16(), torch.rand(3, 2, generator=gen)
+    ids, experts = torch.tensor([[0, 3], [1, 3], [2, 4]], dtype=torch.int32), torch.randn(4, 3 * 32 * 64).bfloat16()
+    want = moe_experts(x, ids, weights, experts, 32)
+    with virtual_cuda(kernels="emulated"):
+        got = moe_experts(x.cuda(), ids.cuda(), weights.cuda(), experts.cuda(), 32).cpu()
+    assert len(calls) == 1 and set(calls[0]) == {1}, calls
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="MOESPEC_VIRTUAL_KERNELS"):
+        with virtual_cuda(kernels="gpu"):
+            pass
+
+
+def test_the_gpu_tests_of_the_kernels_and_the_runtime_pass_on_the_emulated_kernels():
+    """tests/gpu's kernel tests (each kernel against the CPU op) and the runtime's (CUDA logits against
+    the CPU's, greedy speculation equal to greedy decoding, graph replays equal to eager steps) with
+    every native launch running the kernel's CUDA source."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests" / "python")]),
+           "MOESPEC_VIRTUAL_KERNELS": "emulated"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "virtual_cuda", "-p", "no:cacheprovider",
-                          "tests/gpu/test_runtime_cuda.py", "tests/gpu/test_draft_tree_cuda.py"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+                          "-k", LARGEST, *KERNEL_TESTS, "tests/gpu/test_runtime_cuda.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    tail = run.stdout.strip().splitlines()[-1]
+    assert "passed" in tail and "failed" not in tail and "error" not in tail, run.stdout[-3000:]
 
 
 def test_moespec_bench_runs_on_cuda(tmp_path):

@@ -23,16 +23,23 @@ synchronise on is counted:
   one (a host tensor passed to a CUDA kernel raises), then run the CPU entry of the same name on the
   host memory, or, for the decoder ops that only CUDA has, their torch versions.
 
-Not played: the kernels themselves (their numerics are the CPU's), streams and events (one stream,
-nothing asynchronous; events read the host's clock), CUDA generators (a generator made for "cuda" draws
-on the host), memory limits. The kernel tests of tests/gpu (which hold the
-CUDA kernels to the CPU) mean nothing here; the runtime's tests (tests/gpu/test_runtime_cuda.py) and
-the draft tree's run here at every ./build.sh test (tests/python/test_virtual_cuda.py).
+With ``kernels="emulated"`` (or MOESPEC_VIRTUAL_KERNELS=emulated for the plugin), the native entry
+points given virtual CUDA tensors run the CUDA kernels' own source instead: moespec._native_emulated,
+the same bindings over cpp/kernels/*.cu compiled for the block emulator (tests/cpp/emulated), given
+the host memory as CUDA tensors. Then tests/gpu's kernel tests, which hold the kernels to the CPU ops,
+test the kernels' code (thread indexing, barriers, shuffles, mma fragments, launch geometry) on the
+CPU; not their speed, nor the bits of a GPU's tensor-core sums and approximate functions.
+
+Not played: streams and events (one stream, nothing asynchronous; events read the host's clock), CUDA
+generators (a generator made for "cuda" draws on the host), memory limits. The runtime's tests
+(tests/gpu/test_runtime_cuda.py) and the kernel tests run here on the emulated kernels at every
+./build.sh test (tests/python/test_virtual_cuda.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 import traceback
@@ -219,6 +226,10 @@ class _Desc(tuple):
         d.tensor, d.on_device = tensor, on_device
         return d
 
+    def as_device(self) -> tuple:
+        """The descriptor of the same memory as a tensor on cuda:0 (what the emulated kernels take)."""
+        return tuple(self[:4]) + (1, 0)
+
 
 class _Launch:
     """One native kernel launch on virtual CUDA tensors, as a captured graph holds it."""
@@ -233,8 +244,8 @@ class _Launch:
 class _Native:
     """The native module with its CUDA entry points played on the host (see the module docstring)."""
 
-    def __init__(self, real) -> None:
-        self.real = real
+    def __init__(self, real, emulated=None) -> None:
+        self.real, self.emulated = real, emulated
 
     def cuda_available(self) -> bool:
         return True
@@ -252,7 +263,11 @@ class _Native:
             if not all(on):
                 host = [i for i, d in enumerate(args) if isinstance(d, _Desc) and not d.on_device]
                 raise ValueError(f"native {name}: host tensors (arguments {host}) in a call on CUDA tensors")
-            if name in ADAPTERS:
+            if self.emulated is not None and hasattr(self.emulated, name):
+                launch = _Launch(name, getattr(self.emulated, name))
+                args = tuple(d.as_device() if isinstance(d, _Desc) else d for d in args)
+                kwargs = {k: d.as_device() if isinstance(d, _Desc) else d for k, d in kwargs.items()}
+            elif name in ADAPTERS:
                 launch = _Launch(name, ADAPTERS[name])
                 args = tuple(d.tensor if isinstance(d, _Desc) else d for d in args)
             else:
@@ -347,9 +362,25 @@ ADAPTERS = {"rms_norm": _rms_norm, "attention_inputs": _attention_inputs, "tree_
             "tree_from_selection_cuda": _tree_from_selection}
 
 
+def _emulated_module(kernels: str | None):
+    """moespec._native_emulated when the kernels are "emulated", None when "cpu" (the CPU entries)."""
+    kernels = kernels or os.environ.get("MOESPEC_VIRTUAL_KERNELS", "cpu")
+    if kernels == "cpu":
+        return None
+    if kernels != "emulated":
+        raise ValueError(f"MOESPEC_VIRTUAL_KERNELS: expected 'cpu' or 'emulated', got {kernels!r}")
+    try:
+        from moespec import _native_emulated
+    except ImportError as exc:
+        raise ImportError(f"moespec._native_emulated is not built ({exc}): ./build.sh test builds it") from exc
+    return _native_emulated
+
+
 @contextlib.contextmanager
-def virtual_cuda() -> Iterator[VirtualCuda]:
-    """The virtual CUDA device, for the block (yields the mode: its ``syncs``)."""
+def virtual_cuda(kernels: str | None = None) -> Iterator[VirtualCuda]:
+    """The virtual CUDA device, for the block (yields the mode: its ``syncs``). kernels: "cpu" (the CPU
+    entries and torch versions play the kernels) or "emulated" (the kernels' CUDA source on the block
+    emulator); default MOESPEC_VIRTUAL_KERNELS, else "cpu"."""
     import importlib
     import pkgutil
 
@@ -496,7 +527,7 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
         patch(torch.Tensor, name, value)
     for name in ("tolist", "__int__", "__float__", "__bool__", "__index__", "item"):
         patch(torch.Tensor, name, host_read(name))
-    proxy = _Native(real_native())
+    proxy = _Native(real_native(), _emulated_module(kernels))
     for module in list(sys.modules.values()):  # every moespec module's `view` and `native` names
         if getattr(module, "__name__", "").startswith("moespec"):
             if getattr(module, "view", None) is real_view:

@@ -56,13 +56,10 @@ inline Dim3 thread_idx, block_idx, block_dim, grid_dim;
 
 #ifdef MOESPEC_EMU_ASM_SWITCH
 // emu_switch(&from_sp, to_sp): saves the callee-saved registers, MXCSR and the x87 control word on
-// this stack, stores its pointer in *from_sp and resumes the stack to_sp.
-extern "C" void emu_switch(void** from_sp, void* to_sp);
-asm(R"(
-.text
-.globl emu_switch
-.type emu_switch,@function
-emu_switch:
+// this stack, stores its pointer in *from_sp and resumes the stack to_sp. (A naked inline function,
+// not a top-level asm block: every translation unit that includes this header may define it.)
+__attribute__((naked, noinline)) inline void emu_switch(void** /*from_sp: rdi*/, void* /*to_sp: rsi*/) {
+  asm(R"(
   pushq %rbp
   pushq %rbx
   pushq %r12
@@ -84,8 +81,8 @@ emu_switch:
   popq %rbx
   popq %rbp
   ret
-.size emu_switch, .-emu_switch
 )");
+}
 #endif
 
 // A collective over some threads (a warp's lanes, or the block): each posts `data`; when all have

@@ -22,36 +22,37 @@ namespace detail {
 
 constexpr int64_t kMaxTokenId = 2147483647;  // token ids are clamped into [0, 2^31)
 
-// A block of threads on the device; on the host (never used there) one thread.
+// A block of threads on the device (or the block emulator: tests/cpp/emulated); on the host (never
+// used there) one thread.
 struct DeviceBlock {
   MOESPEC_HD int thread() const {
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) || defined(MOESPEC_EMULATED)
     return static_cast<int>(threadIdx.x);
 #else
     return 0;
 #endif
   }
   MOESPEC_HD int threads() const {
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) || defined(MOESPEC_EMULATED)
     return static_cast<int>(blockDim.x);
 #else
     return 1;
 #endif
   }
   MOESPEC_HD void sync() const {
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) || defined(MOESPEC_EMULATED)
     __syncthreads();
 #endif
   }
   MOESPEC_HD bool all(bool v) const {  // (a barrier too)
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) || defined(MOESPEC_EMULATED)
     return __syncthreads_and(v) != 0;
 #else
     return v;
 #endif
   }
   MOESPEC_HD void add(int32_t* p, int32_t v) const {  // (integer: the sum does not depend on the order)
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) || defined(MOESPEC_EMULATED)
     atomicAdd(p, v);
 #else
     *p += v;
