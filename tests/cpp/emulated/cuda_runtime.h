@@ -94,48 +94,26 @@ unsigned __match_any_sync(unsigned mask, T v) {
 }
 
 // ---- atomics (blocks and fibers never run at once: plain read-modify-writes) ---------------------
-template <typename T>
-T atomicAdd(T* p, T v) {
+template <typename T, typename F>
+T emu_read_modify_write(T* p, F f) {
   const T old = *p;
-  *p = old + v;
+  *p = f(old);
   return old;
 }
 template <typename T>
-T atomicOr(T* p, T v) {
-  const T old = *p;
-  *p = old | v;
-  return old;
-}
+T atomicAdd(T* p, T v) { return emu_read_modify_write(p, [v](T o) { return static_cast<T>(o + v); }); }
 template <typename T>
-T atomicAnd(T* p, T v) {
-  const T old = *p;
-  *p = old & v;
-  return old;
-}
+T atomicOr(T* p, T v) { return emu_read_modify_write(p, [v](T o) { return static_cast<T>(o | v); }); }
 template <typename T>
-T atomicMax(T* p, T v) {
-  const T old = *p;
-  *p = old > v ? old : v;
-  return old;
-}
+T atomicAnd(T* p, T v) { return emu_read_modify_write(p, [v](T o) { return static_cast<T>(o & v); }); }
 template <typename T>
-T atomicMin(T* p, T v) {
-  const T old = *p;
-  *p = old < v ? old : v;
-  return old;
-}
+T atomicMax(T* p, T v) { return emu_read_modify_write(p, [v](T o) { return o > v ? o : v; }); }
 template <typename T>
-T atomicExch(T* p, T v) {
-  const T old = *p;
-  *p = v;
-  return old;
-}
+T atomicMin(T* p, T v) { return emu_read_modify_write(p, [v](T o) { return o < v ? o : v; }); }
 template <typename T>
-T atomicCAS(T* p, T expected, T v) {
-  const T old = *p;
-  if (old == expected) *p = v;
-  return old;
-}
+T atomicExch(T* p, T v) { return emu_read_modify_write(p, [v](T) { return v; }); }
+template <typename T>
+T atomicCAS(T* p, T expected, T v) { return emu_read_modify_write(p, [&](T o) { return o == expected ? v : o; }); }
 
 // ---- loads, bits, arithmetic ---------------------------------------------------------------------
 template <typename T>
