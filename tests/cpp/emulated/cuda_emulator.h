@@ -11,11 +11,13 @@
 // that not every live thread of its scope reaches (a divergent __syncthreads, a lane that left
 // before a shuffle) is a deadlock on a GPU and an emu::Fault here, as is a launch past CUDA's limits
 // (block size, grid y/z, more than 48 KB of dynamic shared memory without the kernel's attribute).
-// Blocks run one at a time in index order, so atomics are plain read-modify-writes, a kernel's
-// `__shared__` variables are function-local statics, its dynamic shared memory a buffer per block
-// (filled with 0xcd: a GPU's is not zeroed), and programmatic dependent launch waits are no-ops.
+// Blocks run one at a time (in index order, or reversed or shuffled with the threads), so atomics are
+// plain read-modify-writes, a kernel's `__shared__` variables are function-local statics, its
+// dynamic shared memory a buffer per block (filled with 0xcd: a GPU's is not zeroed), and
+// programmatic dependent launch waits are no-ops.
 //
-// What it cannot show: speed, memory-model subtleties within a phase, the order of blocks on a GPU,
+// What it cannot show: speed, memory-model subtleties within a phase, blocks running at once (or a
+// programmatic dependent kernel running before its primary ends: a missing wait is not seen),
 // the bits of an approximate device function (expf, rsqrtf: the host's are used).
 #pragma once
 
@@ -269,7 +271,9 @@ inline Order& default_order() {
   return order;
 }
 
-// kernel<<<grid, block, shared_bytes>>>(args...): the blocks in index order.
+// kernel<<<grid, block, shared_bytes>>>(args...): one block after another, in the order of `order`
+// too (forward: index order; reverse; shuffled), so that a kernel whose blocks depend on each other's
+// order (rather than on atomics, as a last-block pattern does) gives different results.
 template <typename Kernel, typename... Args>
 void launch(Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, uint64_t seed, Kernel kernel,
             Args... args) {
@@ -281,13 +285,19 @@ void launch(Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, uint64
   grid_dim = grid;
   block_dim = block;
   const std::function<void()> body = [&] { kernel(args...); };
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        block_idx = Dim3{x, y, z};
-        dynamic_shared_buffer().assign(shared_bytes + 16, 0xcd);  // (uninitialised on a GPU: not zero here)
-        runner.run(static_cast<unsigned>(threads), body, order, seed + x + 7919u * y + 104729u * z);
-      }
+  const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
+  std::vector<uint64_t> seq(order == Order::kForward ? 0 : blocks);  // (forward: no list of a large grid)
+  std::iota(seq.begin(), seq.end(), uint64_t{0});
+  if (order == Order::kReverse) std::reverse(seq.begin(), seq.end());
+  if (order == Order::kShuffled) std::shuffle(seq.begin(), seq.end(), std::mt19937_64(seed ^ 0x9e3779b97f4a7c15ull));
+  for (uint64_t i = 0; i < blocks; ++i) {
+    const uint64_t b = order == Order::kForward ? i : seq[i];
+    const unsigned x = static_cast<unsigned>(b % grid.x), y = static_cast<unsigned>(b / grid.x % grid.y),
+                   z = static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y));
+    block_idx = Dim3{x, y, z};
+    dynamic_shared_buffer().assign(shared_bytes + 16, 0xcd);  // (uninitialised on a GPU: not zero here)
+    runner.run(static_cast<unsigned>(threads), body, order, seed + x + 7919u * y + 104729u * z);
+  }
 }
 
 template <typename T>
