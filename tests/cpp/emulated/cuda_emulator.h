@@ -57,9 +57,10 @@ enum class Order { kForward, kReverse, kShuffled };
 inline Dim3 thread_idx, block_idx, block_dim, grid_dim;
 
 #ifdef MOESPEC_EMU_ASM_SWITCH
-// emu_switch(&from_sp, to_sp): saves the callee-saved registers, MXCSR and the x87 control word on
-// this stack, stores its pointer in *from_sp and resumes the stack to_sp. (A naked inline function,
-// not a top-level asm block: every translation unit that includes this header may define it.)
+// emu_switch(&from_sp, to_sp): saves the callee-saved registers on this stack, stores its pointer in
+// *from_sp and resumes the stack to_sp (not MXCSR nor the x87 control word: no kernel changes the
+// floating-point environment, which the fibers share). A naked inline function, not a top-level asm
+// block: every translation unit that includes this header may define it.
 __attribute__((naked, noinline)) inline void emu_switch(void** /*from_sp: rdi*/, void* /*to_sp: rsi*/) {
   asm(R"(
   pushq %rbp
@@ -68,14 +69,8 @@ __attribute__((naked, noinline)) inline void emu_switch(void** /*from_sp: rdi*/,
   pushq %r13
   pushq %r14
   pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
   movq %rsp, (%rdi)
   movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
   popq %r15
   popq %r14
   popq %r13
@@ -163,11 +158,10 @@ class Block {
 #ifdef MOESPEC_EMU_ASM_SWITCH
   void start(unsigned t) {
     auto* top = reinterpret_cast<uint64_t*>(stacks_[t].get() + kStack);  // 16-aligned (new[] of a multiple of 16)
-    uint64_t* sp = top - 9;
-    sp[0] = 0x1f80u | (uint64_t{0x037f} << 32);  // MXCSR, x87 control word: the defaults
-    for (int i = 1; i <= 6; ++i) sp[i] = 0;      // r15 .. rbp
-    sp[7] = reinterpret_cast<uint64_t>(&Block::entry);
-    sp[8] = 0;  // (entry's return address: it never returns)
+    uint64_t* sp = top - 8;
+    for (int i = 0; i < 6; ++i) sp[i] = 0;  // r15 .. rbp
+    sp[6] = reinterpret_cast<uint64_t>(&Block::entry);
+    sp[7] = 0;  // (entry's return address: it never returns; entry starts with rsp = 8 mod 16, as called)
     sp_[t] = sp;
   }
   void resume(unsigned t) {
@@ -203,28 +197,40 @@ class Block {
     back();
   }
 
-  // No fiber is ready: release a complete warp collective or the block's barrier, or fail naming the deadlock.
+  // No fiber is ready: release the complete warp collectives, else the block's barrier, else fail
+  // naming the deadlock.
   void release() {
     void* data[32];
-    for (unsigned w = 0; w * 32 < n_; ++w)
+    bool released = false;
+    for (unsigned w = 0; w * 32 < n_; ++w) {  // every complete warp collective, in one pass
+      Collective incomplete[32];               // (the kinds and masks of this warp found incomplete)
+      unsigned known = 0;
       for (unsigned t = w * 32; t < std::min(n_, w * 32 + 32); ++t) {
         if (state_[t] != State::kWarp) continue;
-        const unsigned m = post_[t].mask;
+        const Collective c = post_[t];
+        if (std::any_of(incomplete, incomplete + known,
+                        [&](const Collective& i) { return i.mask == c.mask && i.run == c.run; }))
+          continue;
         bool complete = true;
         unsigned count = 0;
-        for (unsigned l = 0; l < 32; ++l) {
+        for (unsigned l = 0; l < 32 && complete; ++l) {
           data[l] = nullptr;
-          if (!((m >> l) & 1u)) continue;
+          if (!((c.mask >> l) & 1u)) continue;
           const unsigned u = w * 32 + l;
-          complete = complete && u < n_ && state_[u] == State::kWarp && post_[u].mask == m && post_[u].run == post_[t].run;
+          complete = u < n_ && state_[u] == State::kWarp && post_[u].mask == c.mask && post_[u].run == c.run;
           if (complete) data[l] = post_[u].data, ++count;
         }
-        if (!complete) continue;
-        post_[t].run(data, count, m);
+        if (!complete) {
+          incomplete[known++] = c;
+          continue;
+        }
+        c.run(data, count, c.mask);
         for (unsigned l = 0; l < 32; ++l)
-          if ((m >> l) & 1u) state_[w * 32 + l] = State::kReady;
-        return;
+          if ((c.mask >> l) & 1u) state_[w * 32 + l] = State::kReady;
+        released = true;
       }
+    }
+    if (released) return;
     bool any_block = false;
     for (unsigned t = 0; t < n_; ++t) any_block |= state_[t] == State::kBlock;
     if (!any_block) throw Fault("deadlock: a warp collective whose lanes do not all arrive (or differ in kind or mask)");
