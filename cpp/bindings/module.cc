@@ -210,6 +210,11 @@ void linear_binding(const py::object& x, const py::object& weight, const py::obj
 #ifndef MOESPEC_MODULE_NAME
 #define MOESPEC_MODULE_NAME _native
 #endif
+#ifdef MOESPEC_EMULATED_MODULE
+namespace moespec::emulated {
+void synchronize();  // (tests/cpp/emulated/synchronize.cc)
+}
+#endif
 PYBIND11_MODULE(MOESPEC_MODULE_NAME, m) {
   using namespace moespec;
   m.doc() = "moespec native core (C++ CPU kernels, CUDA kernels where built).";
@@ -236,6 +241,11 @@ PYBIND11_MODULE(MOESPEC_MODULE_NAME, m) {
   m.def("route_experts_nonfinite_offset", &cuda::route_experts_nonfinite_offset,
         "Byte offset in route_experts' CUDA workspace of the int32 count of tokens with non-finite input.");
   m.def("cuda_available", &cuda::available, "Whether this build has the CUDA kernels.");
+#ifdef MOESPEC_EMULATED_MODULE
+  m.def("emulated_synchronize", &emulated::synchronize,
+        "Runs the emulated launches not run yet (a launch waits for the next one or this); a kernel's fault "
+        "is a RuntimeError.");
+#endif
   m.def("cpu_isa", [] { return std::string(cpu_isa_name(active_cpu_isa())); }, "The CPU ISA kernels use now.");
   m.def(
       "set_cpu_isa", [](const std::string& name) { set_active_cpu_isa(isa_from_name(name)); },

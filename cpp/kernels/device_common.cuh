@@ -54,14 +54,18 @@ __device__ __forceinline__ float warp_sum(float v) {
 // weights (the routing kernel's output: its primary, gate/up, triggers only after its own wait) and
 // its weight prefetch.
 __device__ __forceinline__ void wait_for_primary() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOESPEC_EMULATED)
+#if defined(MOESPEC_EMULATED)  // (the block emulator runs the primary from here: tests/cpp/emulated)
+  ::emu::Block::self()->wait_for_primary();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 // Lets the next kernel on the stream (if launched with pdl) be scheduled once every block of this
 // one has called it; its blocks then wait (wait_for_primary) for this kernel's completion.
 __device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOESPEC_EMULATED)
+#if defined(MOESPEC_EMULATED)  // (the block emulator checks it follows the block's wait)
+  ::emu::Block::self()->launch_dependents();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }

@@ -6,7 +6,8 @@
 // ids), every shared-memory plan (terms of all candidates or in chunks, buffer in shared or global
 // memory), blocks of 32 to 1024 threads, and the block's threads in forward, reverse and shuffled
 // order between barriers (a race would make the orders disagree). On a GPU:
-// tests/gpu/test_select_cost_aware_cuda.py.
+// tests/gpu/test_select_cost_aware_cuda.py. Also the emulator's own faults, races and its play of
+// programmatic dependent launch (a dependent's first block before its primary).
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -278,4 +279,73 @@ TEST(the_emulator_shows_a_race_as_orders_that_disagree) {
   emu::launch(emu::Dim3{1, 1, 1}, emu::Dim3{64, 1, 1}, 0, emu::Order::kForward, 0, &Racy::kernel, forward.data());
   emu::launch(emu::Dim3{1, 1, 1}, emu::Dim3{64, 1, 1}, 0, emu::Order::kReverse, 0, &Racy::kernel, reverse.data());
   CHECK(forward[0] == 1 && reverse[0] == 2);
+}
+
+// Programmatic dependent launch as the emulator plays it (cuda_emulator.h): a dependent's first block
+// runs up to its wait before its primary has run, so a read of the primary's output before the wait
+// shows, and a dependent block that returns without waiting is a fault.
+namespace pdl {
+void produce(int* out) {
+  moespec::cuda::device::wait_for_primary();
+  moespec::cuda::device::launch_dependents();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = static_cast<int>(blockIdx.x) + 1;
+}
+void consume_after_wait(const int* in, int* out) {
+  moespec::cuda::device::wait_for_primary();
+  const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+  out[i] = in[i];
+}
+void consume_before_wait(const int* in, int* out) {
+  const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int v = in[i];  // (the bug: the primary's output read before the wait)
+  moespec::cuda::device::wait_for_primary();
+  out[i] = v;
+}
+void consume_without_wait(const int* in, int* out) {
+  if (blockIdx.x == 1) return;  // (the bug: a block that never waits)
+  moespec::cuda::device::wait_for_primary();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = in[blockIdx.x * blockDim.x + threadIdx.x];
+}
+
+// produce -> consume on 4 blocks of 32, the consumer a programmatic dependent or not; its output.
+std::vector<int> run(void (*consume)(const int*, int*), bool dependent, cudaError_t* sync = nullptr) {
+  std::vector<int> mid(128, 0), out(128, -1);
+  CHECK(moespec::cuda::launch_kernel(true, &produce, dim3(4), dim3(32), 0, nullptr, mid.data()) == cudaSuccess);
+  CHECK(moespec::cuda::launch_kernel(dependent, consume, dim3(4), dim3(32), 0, nullptr,
+                                     static_cast<const int*>(mid.data()), out.data()) == cudaSuccess);
+  const cudaError_t status = cudaStreamSynchronize(nullptr);
+  if (sync != nullptr) *sync = status;
+  else CHECK(status == cudaSuccess);
+  (void)cudaGetLastError();
+  return out;
+}
+std::vector<int> produced() {
+  std::vector<int> want(128);
+  for (int i = 0; i < 128; ++i) want[static_cast<std::size_t>(i)] = i / 32 + 1;
+  return want;
+}
+}  // namespace pdl
+
+TEST(a_dependent_launch_that_waits_reads_its_primarys_output) {
+  CHECK(pdl::run(&pdl::consume_after_wait, true) == pdl::produced());
+}
+
+TEST(a_dependent_launch_that_reads_before_its_wait_reads_what_was_there_before_its_primary) {
+  const std::vector<int> got = pdl::run(&pdl::consume_before_wait, true), want = pdl::produced();
+  int stale = 0, right = 0;  // blocks that read before the primary ran (its first: one), and after
+  for (std::size_t b = 0; b < 4; ++b) {
+    const std::vector<int> block(got.begin() + 32 * b, got.begin() + 32 * (b + 1));
+    stale += block == std::vector<int>(32, 0);
+    right += block == std::vector<int>(want.begin() + 32 * b, want.begin() + 32 * (b + 1));
+  }
+  CHECK(stale == 1 && right == 3);
+  CHECK(pdl::run(&pdl::consume_before_wait, false) == pdl::produced());  // (a plain launch: after its primary)
+}
+
+TEST(a_dependent_block_that_returns_without_waiting_is_a_fault) {
+  cudaError_t status = cudaSuccess;
+  pdl::run(&pdl::consume_without_wait, true, &status);
+  CHECK(status != cudaSuccess);
+  CHECK(std::string(cudaGetErrorString(status)).find("without waiting for its primary") != std::string::npos);
+  CHECK(pdl::run(&pdl::consume_without_wait, false) != pdl::produced());  // (plain: no rule; block 1 writes nothing)
 }

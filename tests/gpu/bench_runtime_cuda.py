@@ -27,7 +27,7 @@ import time
 
 import torch
 from gpu_common import (DEVICE, SMOKE, copy_bandwidth, device_name, event_seconds, graph_seconds, profiler_activity,
-                        results_saver, sync, timeline)
+                        results_saver, sync, timed_calls, timeline)
 
 from moespec.models import TargetModel
 from moespec.models.config import ModelConfig, MoeConfig, RopeConfig
@@ -68,6 +68,7 @@ def model() -> TargetModel:
 def host_seconds(fn, calls: int = 20) -> float:
     """Host seconds per call of ``fn`` issued back to back without waiting for the GPU: the host's
     own cost of a step (a step whose event time is about this is bound by its host work)."""
+    calls = timed_calls(calls)
     fn()
     sync()
     clock = time.perf_counter()
@@ -95,6 +96,7 @@ def profiled(step, label: str, top: int = 12, calls: int = 3) -> dict:
     the kernels a call (printed), and the ``top`` kernels by time as [name, us a call, launches a call]."""
     from torch.profiler import profile
 
+    calls = timed_calls(calls)
     step()
     sync()
     with profile(activities=[profiler_activity()[0]]) as prof:
@@ -153,6 +155,7 @@ def draft_round_ms(batch: int, core: str, K: int = 8, depth: int = 6, total: int
     """Median wall-clock ms of one draft round's tree work with the level log-probs on the GPU."""
     from moespec.spec.tree import TreeBuilder
 
+    repeats = timed_calls(repeats)
     builder = TreeBuilder(batch, depth=depth, top_k=K, total_tokens=total, device=CUDA if core != "native" else None,
                           core=core)
     gen = torch.Generator(device=CUDA).manual_seed(0)
@@ -186,6 +189,7 @@ def eagle3_step_parts(m: TargetModel, label: str, steps: int = 12, policy: str =
     from moespec.spec.llm import _Request
     from moespec.spec.train import new_head
 
+    steps = timed_calls(steps)
     m.backend_name = "graphs"
     head = new_head(m.config, m.weights.embed, None, seed=0).to(CUDA)
     predictor = None

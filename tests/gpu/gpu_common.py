@@ -69,12 +69,18 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (MOESPEC_GPU_SMOKE=1)"
 
 
+def timed_calls(n: int) -> int:
+    """How many calls a measurement times: ``n`` on a GPU, at most 2 in a smoke run (which checks that
+    a script runs and what it writes, not its numbers)."""
+    return min(n, 2) if SMOKE else n
+
+
 def event_seconds(fn, repeats: int = 9) -> float:
     """Median seconds of ``fn`` between two CUDA events (after one untimed call); the host's clock
     in a smoke run."""
     fn()
     if SMOKE:
-        return _host_median(fn, repeats)
+        return _host_median(fn, timed_calls(repeats))
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -109,7 +115,7 @@ def graph_seconds(fn, calls: int = 20, replays: int = 5) -> float:
     run the calls themselves, on the host's clock."""
     if DEVICE.type != "cuda":
         fn()
-        return _host_median(fn, replays)
+        return _host_median(fn, timed_calls(replays))
     graph, _ = captured(fn, calls)
     return event_seconds(graph.replay, replays) / calls
 

@@ -203,6 +203,50 @@ def test_graph_replay_equals_eager(folder, fused, pdl, monkeypatch):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
 
 
+@pytest.fixture(scope="module")
+def every_expert_folder(tmp_path_factory):
+    """A tiny random Qwen3-MoE whose tokens take all of its 4 experts: no discrete routing choice that
+    two sums of other orders could round to the other side (bf16 logits then stay within rounding)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=4, norm_topk_prob=True, initializer_range=0.1,
+                            rope_theta=1000.0)
+    out = tmp_path_factory.mktemp("cuda_every_expert") / "qwen3_moe"
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def test_bf16_graph_steps_match_the_cpu(every_expert_folder):
+    """The path a GPU serves in bf16 (the graphs backend's fused forward: moespec's linear, decoder-op,
+    routing and tensor-core MoE kernels, one chain of programmatic dependent launches a step) against
+    the CPU's reference backend in bf16: decode steps replayed from their graphs and verify trees
+    within 2e-2 of the logits' scale. (The fp32 tests take torch's GEMM and the MoE kernel's FMA path;
+    on the emulated kernels this chain shows a kernel that reads its predecessor's output before its
+    wait.)"""
+    cpu = mm.load(every_expert_folder, "bf16", device="cpu")
+    cpu.backend_name = "reference"
+    gpu = mm.load(every_expert_folder, "bf16", device="cuda")
+    assert gpu.backend_name == "graphs" and gpu.backend.fused is not None
+    caches = [m.new_cache(2, 48) for m in (cpu, gpu)]
+    for m, c in zip((cpu, gpu), caches):
+        m.prefill(c, [p[:5] for p in PROMPTS])
+    tokens = [7, 11]
+    for step in range(6):
+        d = [m.decode(c, tokens) for m, c in zip((cpu, gpu), caches)]
+        _close(d[1].logits, d[0].logits, 2e-2, f"bf16 decode {step}")
+        tokens = [int(t) for t in d[0].logits.argmax(-1)]
+    for step in range(2):
+        trees = [[tokens[0], 3 + step, 4, 5], [tokens[1], 6, 7 + step, 8]]
+        v = [m.verify(c, trees, [[-1, 0, 0, 1], [-1, 0, 1, 1]], budget=ExpertBudget(4)) for m, c in zip((cpu, gpu), caches)]
+        _close(v[1].logits, v[0].logits, 2e-2, f"bf16 verify {step}")
+        for m, c in zip((cpu, gpu), caches):
+            m.commit(c, [[0, 1], [0]])
+    assert all(s.graph is not None for s in gpu.backend.steps.values()) and len(gpu.backend.steps) == 2
+
+
 def test_graphs_over_a_short_cache_survive_a_longer_one(folder):
     """A model's graph steps over a short cache, then a longer cache (the fused forward's rope table is
     rebuilt longer), then the short cache's graphs again: they still read the table they were captured

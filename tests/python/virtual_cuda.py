@@ -28,7 +28,14 @@ points given virtual CUDA tensors run the CUDA kernels' own source instead: moes
 the same bindings over cpp/kernels/*.cu compiled for the block emulator (tests/cpp/emulated), given
 the host memory as CUDA tensors. Then tests/gpu's kernel tests, which hold the kernels to the CPU ops,
 test the kernels' code (thread indexing, barriers, shuffles, mma fragments, launch geometry) on the
-CPU; not their speed, nor the bits of a GPU's tensor-core sums and approximate functions.
+CPU; not their speed, nor the bits of a GPU's tensor-core sums and approximate functions. The block
+emulator defers each launch to the next one, so that a programmatic dependent's first block runs up to
+its wait before its primary (tests/cpp/emulated/cuda_emulator.h); here the deferred launches run before
+anything else touches the device's memory (a torch op on a device tensor other than a view or an
+allocation, a host read or copy, a CPU entry), with the tensors of their arguments held until then (a
+GPU's stream-ordered allocator keeps freed memory from later work the same way). So one step's chain of
+moespec kernels (norm -> projections -> attention -> routing -> experts) runs as on a GPU, a kernel
+that reads its predecessor's output before its wait getting a wrong result.
 
 Not played: streams and events (one stream, nothing asynchronous; events read the host's clock), CUDA
 generators (a generator made for "cuda" draws on the host), memory limits. The runtime's tests
@@ -54,6 +61,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moespec._tensor import view as _host_view  # (bound now: virtual_cuda() patches moespec's `view` names)
 
 CUDA = torch.device("cuda", 0)
+# ops on device tensors that neither read nor write their values (views, allocations): the emulated
+# launches before them may still be deferred. (Not every op with an aliasing schema: `to` copies.)
+NO_DATA = frozenset({"view", "_unsafe_view", "_reshape_alias", "as_strided", "slice", "select", "narrow", "split",
+                     "split_with_sizes", "chunk", "unbind", "transpose", "t", "permute", "expand", "squeeze",
+                     "unsqueeze", "unflatten", "diagonal", "detach", "alias", "empty_like", "new_empty",
+                     "new_empty_strided"})
 # ops whose output size depends on the values: on a GPU the host waits for them
 DATA_DEPENDENT = frozenset({"nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "masked_select",
                             "_local_scalar_dense"})
@@ -137,6 +150,8 @@ class VirtualCuda(TorchDispatchMode):
         if on and host and name not in ("_to_copy", "copy_", "lift_fresh"):
             raise RuntimeError(f"{name}: Expected all tensors to be on the same device, but found at least two "
                                "devices, cuda:0 and cpu!")
+        if on and name not in NO_DATA and not (name == "reshape" and a[0].is_contiguous()):  # (after the launches)
+            _run_deferred()
         if on and name in DATA_DEPENDENT:
             self.syncs.add(name)
         if on and name in ("_to_copy", "copy_") and (to == "cpu" or (name == "copy_" and
@@ -231,14 +246,37 @@ class _Desc(tuple):
         return tuple(self[:4]) + (1, 0)
 
 
-class _Launch:
-    """One native kernel launch on virtual CUDA tensors, as a captured graph holds it."""
+_DEFERRED: list = []  # the emulated module's synchronize while the block emulator holds launches not run
+_HELD: list = []      # their tensors (a stream-ordered allocator keeps freed memory until its launches end)
 
-    def __init__(self, name: str, fn) -> None:
-        self.__name__, self.fn = name, fn
+
+def _run_deferred() -> None:
+    """Runs the emulated launches not run yet (the block emulator defers each one until the next launch,
+    to play a programmatic dependent's start before its primary ends): before anything else reads or
+    writes the device's memory (a torch op, a host read or copy, a CPU entry)."""
+    if _DEFERRED:
+        try:
+            _DEFERRED.pop()()
+        finally:
+            _HELD.clear()
+
+
+class _Launch:
+    """One native kernel launch on virtual CUDA tensors, as a captured graph holds it; ``deferred``: the
+    emulated module's synchronize (its kernels run at the next emulated launch or ``_run_deferred``,
+    ``tensors`` held until then), else the launch runs before it returns."""
+
+    def __init__(self, name: str, fn, deferred=None, tensors=()) -> None:
+        self.__name__, self.fn, self.deferred, self.tensors = name, fn, deferred, tuple(tensors)
 
     def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
+        if self.deferred is None:
+            _run_deferred()
+        out = self.fn(*args, **kwargs)
+        if self.deferred is not None:
+            _DEFERRED[:] = [self.deferred]
+            _HELD.extend(self.tensors)
+        return out
 
 
 class _Native:
@@ -264,7 +302,8 @@ class _Native:
                 host = [i for i, d in enumerate(args) if isinstance(d, _Desc) and not d.on_device]
                 raise ValueError(f"native {name}: host tensors (arguments {host}) in a call on CUDA tensors")
             if self.emulated is not None and hasattr(self.emulated, name):
-                launch = _Launch(name, getattr(self.emulated, name))
+                launch = _Launch(name, getattr(self.emulated, name), self.emulated.emulated_synchronize,
+                                 [d.tensor for d in descs])
                 args = tuple(d.as_device() if isinstance(d, _Desc) else d for d in args)
                 kwargs = {k: d.as_device() if isinstance(d, _Desc) else d for k, d in kwargs.items()}
             elif name in ADAPTERS:
@@ -416,6 +455,7 @@ def virtual_cuda(kernels: str | None = None) -> Iterator[VirtualCuda]:
         return None if d is None else _Desc(d, t, False)
 
     def to(self, *args, **kwargs):
+        _run_deferred()
         device, dtype = kwargs.get("device"), kwargs.get("dtype")
         flags = [a for a in args if isinstance(a, bool)]  # (non_blocking, copy), positionally
         non_blocking = kwargs.get("non_blocking", flags[0] if flags else False)
@@ -444,6 +484,7 @@ def virtual_cuda(kernels: str | None = None) -> Iterator[VirtualCuda]:
         return real["to"](self, *args, **kwargs)
 
     def copy_(self, src, non_blocking=False):
+        _run_deferred()
         if not (isinstance(self, VirtualCudaTensor) or isinstance(src, VirtualCudaTensor)):
             return real["copy_"](self, src, non_blocking)
         if not isinstance(self, VirtualCudaTensor):
@@ -455,6 +496,7 @@ def virtual_cuda(kernels: str | None = None) -> Iterator[VirtualCuda]:
 
     def host_read(name):
         def read(self, *args):
+            _run_deferred()
             if isinstance(self, VirtualCudaTensor):
                 mode.syncs.add(name)
                 return real[name](self._host, *args)
@@ -487,12 +529,15 @@ def virtual_cuda(kernels: str | None = None) -> Iterator[VirtualCuda]:
     def getitem(self, idx):  # (torch's indexing takes a device guard, which a CPU build cannot give)
         if isinstance(self, VirtualCudaTensor):
             index_syncs(idx)
+            if any(isinstance(i, (torch.Tensor, list)) for i in (idx if isinstance(idx, tuple) else (idx,))):
+                _run_deferred()  # (a gather on the host memory: a view otherwise)
             return VirtualCudaTensor(real["__getitem__"](self._host, index(idx)))
         if indices_on_device(idx):
             raise RuntimeError("indices on cuda:0 for a tensor on the cpu")
         return real["__getitem__"](self, idx)
 
     def setitem(self, idx, value):
+        _run_deferred()
         if not isinstance(self, VirtualCudaTensor):
             if isinstance(value, VirtualCudaTensor) or indices_on_device(idx):
                 raise RuntimeError("a value or indices on cuda:0 written into a tensor on the cpu")
@@ -539,7 +584,10 @@ def virtual_cuda(kernels: str | None = None) -> Iterator[VirtualCuda]:
     try:
         with mode:
             yield mode
+            _run_deferred()
     finally:
+        _DEFERRED.clear()
+        _HELD.clear()
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)

@@ -48,6 +48,13 @@ def generate(folder, speculative=None, max_tokens: int = 12, eager: bool = True)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.fixture(scope="module")
+def ar(folder):
+    """Stock vLLM's greedy output on the Mixtral (eager, no draft): one engine run for every test that
+    compares with it (an engine start is most of a test's time)."""
+    return generate(folder)
+
+
 def test_the_plugin_registers_eagle3_classes():
     from vllm import ModelRegistry
     from vllm.plugins import load_general_plugins
@@ -138,20 +145,20 @@ def test_qwen2_moe_serves_with_eagle3_as_moespec_decodes(qwen2_folder):
     assert generate(folder, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}) == want
 
 
-def test_vllm_greedy_equals_moespec(folder):
+def test_vllm_greedy_equals_moespec(folder, ar):
     """vLLM (with the plugin: the EAGLE-3 class, unused without a draft) == moespec's runtime, greedy fp32."""
     from moespec import LLM, SamplingParams
 
     want = [o.outputs[0].token_ids for o in LLM(str(folder), dtype="fp32").generate(
         PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
-    assert generate(folder) == want
+    assert ar == want
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
-def test_vllm_eagle3_through_the_plugin_equals_ar(folder, head, eager):
+def test_vllm_eagle3_through_the_plugin_equals_ar(folder, head, ar, eager):
     """vLLM's EAGLE-3 (chain drafts) on the plugin's Mixtral class: greedy output == greedy ar, eager and
     compiled (vLLM's default: torch.compile of the inner model, which must run the plugin's forward)."""
-    want = generate(folder, eager=eager)
+    want = ar if eager else generate(folder, eager=False)
     got = generate(folder, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}, eager=eager)
     assert got == want
 
@@ -170,34 +177,40 @@ def _budget_run(folder, head, budget: str, mode: str = "eager"):
     return run, (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None)
 
 
-def test_a_binding_budget_caps_every_verify_pass(folder, head):
+@pytest.fixture(scope="module")
+def budget_3(folder, head):
+    """vLLM with MOESPEC_BUDGET=3 (budget_run.py in a subprocess): its run and its outputs and stats."""
+    return _budget_run(folder, head, "3")
+
+
+def test_a_binding_budget_caps_every_verify_pass(folder, head, ar, budget_3):
     """MOESPEC_BUDGET=3 (of 8 experts, top-2): every budgeted routing call (verify passes only: 4
     tokens each, 2 MoE layers... as many calls as layers x verify passes) keeps at most 3 experts and
     some would have used more; a budget of 8 (all experts) changes nothing: the output is greedy ar's."""
-    run, got = _budget_run(folder, head, "3")
+    run, got = budget_3
     assert run.returncode == 0, run.stderr[-3000:]
     stats = got["stats"]
     assert stats and all(kept <= 3 for _, kept, _, _ in stats) and any(natural > 3 for natural, _, _, _ in stats)
     assert len(stats) % 4 == 0  # 4 MoE layers per verify pass: whole passes only (prefill and decode untouched)
     run, free = _budget_run(folder, head, "8")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert free["outputs"] == generate(folder) and all(kept == natural for natural, kept, _, _ in free["stats"])
+    assert free["outputs"] == ar and all(kept == natural for natural, kept, _, _ in free["stats"])
 
 
-def test_a_binding_budget_gives_moespecs_own_budgeted_output(folder, head):
+def test_a_binding_budget_gives_moespecs_own_budgeted_output(folder, head, ar, budget_3):
     """vLLM + MOESPEC_BUDGET=3 against moespec's runtime with eagle3+budget:3 on the same chain (3 drafts,
     top-1: vLLM's chain), both requests verified together in every pass, fp32: the same greedy tokens.
     (Equal because both route the same logits up to fp32 rounding and no budget choice here sits on a
     tie; the budget makes both differ from plain greedy decoding.)"""
     from moespec import LLM, SamplingParams, SpeculativeConfig
 
-    run, got = _budget_run(folder, head, "3")
+    run, got = budget_3
     assert run.returncode == 0, run.stderr[-3000:]
     llm = LLM(str(folder), dtype="fp32", draft=str(head),
               speculative_config=SpeculativeConfig("eagle3+budget", depth=3, top_k=1, total_tokens=3, budget=3))
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
     assert got["outputs"] == want
-    assert want != generate(folder)  # the budget binds: not plain greedy decoding
+    assert want != ar  # the budget binds: not plain greedy decoding
 
 
 def test_the_budget_holds_in_vllms_compiled_graph(folder, head):
@@ -229,7 +242,7 @@ def _spec_run(folder, speculative, prompts):
     return [list(o.outputs[0].token_ids) for o in outs], drafts
 
 
-def test_cost_aware_drafts_per_batch_size_change_only_how_many_are_verified(folder, head, monkeypatch):
+def test_cost_aware_drafts_per_batch_size_change_only_how_many_are_verified(folder, head, ar, monkeypatch):
     """moespec's schedule (moespec.cost.schedule, vLLM's num_speculative_tokens_per_batch_size): the same
     greedy outputs as ar whatever it chooses; a schedule of fewer drafts proposes fewer; one of 0 drafts
     at the batch that runs proposes (next to) none."""
@@ -240,7 +253,7 @@ def test_cost_aware_drafts_per_batch_size_change_only_how_many_are_verified(fold
     from moespec.cost.step_cost import shape_from_config
     from moespec.models import read_config
 
-    want = generate(folder)
+    want = ar
     shape = shape_from_config(read_config(folder), "tiny")
     chosen = draft_schedule(shape, hardware("h200"), transfer(shape.num_experts, shape.top_k), acceptance=2.0,
                             depth=3, max_batch=2, max_drafts=3)

@@ -12,13 +12,22 @@
 // before a shuffle) is a deadlock on a GPU and an emu::Fault here, as is a launch past CUDA's limits
 // (block size, grid y/z, more than 48 KB of dynamic shared memory without the kernel's attribute).
 // Blocks run one at a time (in index order, or reversed or shuffled with the threads), so atomics are
-// plain read-modify-writes, a kernel's `__shared__` variables are function-local statics, its
-// dynamic shared memory a buffer per block (filled with 0xcd: a GPU's is not zeroed), and
-// programmatic dependent launch waits are no-ops.
+// plain read-modify-writes, a kernel's `__shared__` variables are function-local statics and its
+// dynamic shared memory a buffer per block (filled with 0xcd: a GPU's is not zeroed).
 //
-// What it cannot show: speed, memory-model subtleties within a phase, blocks running at once (or a
-// programmatic dependent kernel running before its primary ends: a missing wait is not seen),
-// the bits of an approximate device function (expf, rsqrtf: the host's are used).
+// Programmatic dependent launch is played against the kernel: a launch through the shim
+// (cudaLaunchKernelEx) is deferred until the next launch or a synchronisation, and a programmatic
+// dependent's first block (in the launch's order) runs up to its wait (griddepcontrol.wait,
+// moespec's wait_for_primary) before its primary has run at all (its primary's primaries have: a
+// GPU starts a dependent once every block of its primary has called launch_dependents, which a
+// dependent block may do only after its wait); the primary runs then, the rest after it. So a block
+// that reads its primary's output, or writes what the primary reads, before its wait gets another
+// result than the other orders; a block of a dependent launch that returns without waiting (which
+// would let a kernel after it see it complete before its primary), or that calls launch_dependents
+// before its wait, is a fault.
+//
+// What it cannot show: speed, memory-model subtleties within a phase, blocks of one kernel running
+// at once, the bits of an approximate device function (expf, rsqrtf: the host's are used).
 #pragma once
 
 #include <algorithm>
@@ -33,6 +42,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -92,13 +102,20 @@ struct Collective {
 
 class Block {
  public:
-  enum class State { kReady, kBlock, kWarp, kDone };
+  enum class State { kReady, kBlock, kWarp, kPrimary, kDone };
 
   // Runs body() once per thread of a block of `threads` fibers (threadIdx set before each switch).
-  void run(unsigned threads, const std::function<void()>& body, Order order, uint64_t seed) {
+  // A block of a programmatic dependent launch (`dependent`) must wait for its primary before it
+  // returns; `primary`, when given and not empty, is run once every thread of the block waits for it
+  // (or has returned) and nothing else can go on.
+  void run(unsigned threads, const std::function<void()>& body, Order order, uint64_t seed, bool dependent = false,
+           std::function<void()>* primary = nullptr) {
     if (threads == 0 || threads > 1024) throw Fault("block size must be in [1, 1024]");
     n_ = threads;
     body_ = &body;
+    dependent_ = dependent;
+    waited_ = false;
+    primary_ = primary != nullptr && *primary ? primary : nullptr;
     state_.assign(n_, State::kReady);
     post_.assign(n_, Collective{});
     while (stacks_.size() < n_) stacks_.push_back(std::make_unique<char[]>(kStack));
@@ -122,6 +139,24 @@ class Block {
       if (std::all_of(state_.begin(), state_.end(), [](State s) { return s == State::kDone; })) break;
       release();
     }
+    if (dependent_ && !waited_)
+      throw Fault("a block of a programmatic dependent launch returned without waiting for its primary "
+                  "(wait_for_primary): a kernel after it could see it complete before its primary");
+  }
+
+  // griddepcontrol.wait: parks the thread while this block holds its launch's primary, not yet run.
+  void wait_for_primary() {
+    waited_ = true;
+    if (primary_ != nullptr) wait(State::kPrimary, Collective{});
+  }
+
+  // griddepcontrol.launch_dependents: in a dependent launch, only after the block's wait (moespec's
+  // rule, which the stream's play of dependents relies on: a dependent starts after its primary's
+  // primaries are complete).
+  void launch_dependents() const {
+    if (dependent_ && !waited_)
+      throw Fault("launch_dependents before wait_for_primary in a programmatic dependent launch: its dependents "
+                  "could start before its own primary is complete");
   }
 
   // A block collective (__syncthreads and its forms): every live thread must arrive.
@@ -231,6 +266,12 @@ class Block {
       }
     }
     if (released) return;
+    if (std::find(state_.begin(), state_.end(), State::kPrimary) != state_.end()) {
+      run_primary();
+      for (State& s : state_)
+        if (s == State::kPrimary) s = State::kReady;
+      return;
+    }
     bool any_block = false;
     for (unsigned t = 0; t < n_; ++t) any_block |= state_[t] == State::kBlock;
     if (!any_block) throw Fault("deadlock: a warp collective whose lanes do not all arrive (or differ in kind or mask)");
@@ -245,7 +286,14 @@ class Block {
     for (unsigned t = 0; t < n_; ++t) state_[t] = State::kReady;
   }
 
+  // Runs the primary launch (other blocks, other fibers) between two of this block's phases: the
+  // launch globals, the current block and the dynamic shared memory (whose storage this block's
+  // threads point into) are set aside and restored, whatever the primary throws.
+  void run_primary();
+
   unsigned n_ = 0, current_ = 0;
+  bool dependent_ = false, waited_ = false;
+  std::function<void()>* primary_ = nullptr;
   const std::function<void()>* body_ = nullptr;
   std::vector<State> state_;
   std::vector<Collective> post_;
@@ -264,6 +312,25 @@ inline std::vector<unsigned char>& dynamic_shared_buffer() {
   return buf;
 }
 
+inline void Block::run_primary() {
+  struct Aside {
+    Dim3 thread, block, dim, grid;
+    Block* self;
+    std::vector<unsigned char> shared;
+    Aside() : thread(thread_idx), block(block_idx), dim(block_dim), grid(grid_dim), self(Block::self()) {
+      shared.swap(dynamic_shared_buffer());
+    }
+    ~Aside() {
+      thread_idx = thread, block_idx = block, block_dim = dim, grid_dim = grid, Block::self() = self;
+      shared.swap(dynamic_shared_buffer());
+    }
+  } aside;
+  std::function<void()> primary = std::move(*primary_);
+  *primary_ = nullptr;
+  primary_ = nullptr;
+  primary();
+}
+
 // The order of a launch's threads: the tests' choice, else MOESPEC_EMULATED_ORDER (forward, reverse,
 // shuffled), else forward.
 inline Order& default_order() {
@@ -277,17 +344,48 @@ inline Order& default_order() {
   return order;
 }
 
-// kernel<<<grid, block, shared_bytes>>>(args...): one block after another, in the order of `order`
-// too (forward: index order; reverse; shuffled), so that a kernel whose blocks depend on each other's
-// order (rather than on atomics, as a last-block pattern does) gives different results.
-template <typename Kernel, typename... Args>
-void launch(Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, uint64_t seed, Kernel kernel,
-            Args... args) {
-  static Block runner;
+// A launch's grid and block within CUDA's limits, else a fault naming them.
+inline void check_launch(Dim3 grid, Dim3 block) {
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (threads == 0 || threads > 1024 || block.z > 64) throw Fault("launch: a block of 1 to 1024 threads (z <= 64)");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535)
     throw Fault("launch: grid dimensions out of range (y, z <= 65535)");
+}
+
+// How a launch relates to the one before it: a programmatic dependent (its blocks must wait for it),
+// and the primary itself when it has not run yet (the first block runs it from its wait).
+struct Dependence {
+  bool dependent = false;
+  std::function<void()> primary;
+};
+
+// The fibers of the launches running: one Block a nesting level (a primary runs inside a block of
+// its dependent), whatever the kernel.
+struct Runners {
+  std::vector<std::unique_ptr<Block>> blocks;
+  std::size_t depth = 0;
+  static Runners& get() {
+    static Runners r;
+    return r;
+  }
+};
+
+// kernel<<<grid, block, shared_bytes>>>(args...): one block after another, in the order of `order`
+// too (forward: index order; reverse; shuffled), so that a kernel whose blocks depend on each other's
+// order (rather than on atomics, as a last-block pattern does) gives different results.
+template <typename Kernel, typename... Args>
+void launch_after(Dependence dependence, Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, uint64_t seed,
+                  Kernel kernel, Args... args) {
+  check_launch(grid, block);
+  Runners& runners = Runners::get();
+  if (runners.blocks.size() <= runners.depth) runners.blocks.push_back(std::make_unique<Block>());
+  struct Nest {
+    Runners& r;
+    explicit Nest(Runners& r_) : r(r_) { ++r.depth; }
+    ~Nest() { --r.depth; }
+  } nest(runners);
+  Block& runner = *runners.blocks[runners.depth - 1];
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   grid_dim = grid;
   block_dim = block;
   const std::function<void()> body = [&] { kernel(args...); };
@@ -302,8 +400,71 @@ void launch(Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, uint64
                    z = static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y));
     block_idx = Dim3{x, y, z};
     dynamic_shared_buffer().assign(shared_bytes + 16, 0xcd);  // (uninitialised on a GPU: not zero here)
-    runner.run(static_cast<unsigned>(threads), body, order, seed + x + 7919u * y + 104729u * z);
+    runner.run(static_cast<unsigned>(threads), body, order, seed + x + 7919u * y + 104729u * z,
+               dependence.dependent, i == 0 ? &dependence.primary : nullptr);
   }
+  if (dependence.primary) dependence.primary();  // (an empty grid)
+}
+
+template <typename Kernel, typename... Args>
+void launch(Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, uint64_t seed, Kernel kernel,
+            Args... args) {
+  launch_after(Dependence{}, grid, block, shared_bytes, order, seed, kernel, args...);
+}
+
+// The launches made through the shim and not run yet (at most two): one whose primaries have all
+// run, and possibly its programmatic dependent, armed to run its first block up to its wait before
+// it. A dependent of a dependent arms one of the two pairs, the earlier and the later in turn (its
+// start needs every block of its primary past launch_dependents, hence past their wait: the two
+// pairs cannot both be played with one block of a kernel at a time).
+struct Stream {
+  struct Pending {
+    std::function<void(std::function<void()>)> run;  // the launch, given its primary's run (or nothing)
+    const void* kernel;
+  };
+  std::vector<Pending> launches;
+  bool later = false;  // (the pair the next dependent of a dependent arms)
+};
+inline Stream& stream() {
+  static Stream s;
+  return s;
+}
+
+// Runs what is pending on the stream; a fault of it is thrown here.
+inline void synchronize() {
+  std::vector<Stream::Pending> launches = std::move(stream().launches);
+  stream().launches.clear();
+  if (launches.size() == 2) launches[1].run([&launches] { launches[0].run(nullptr); });
+  else if (launches.size() == 1) launches[0].run(nullptr);
+}
+
+// Enqueues kernel<<<grid, block, shared_bytes>>>(args...) on the stream: after what is pending, as
+// its programmatic dependent when `dependent`, else once it has run.
+template <typename Kernel, typename... Args>
+void enqueue(bool dependent, Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, Kernel kernel,
+             Args... args) {
+  check_launch(grid, block);
+  Stream& s = stream();
+  Stream::Pending launch{[=, params = std::make_tuple(args...)](std::function<void()> primary) {
+                           std::apply([&](auto... a) {
+                             launch_after(Dependence{dependent, std::move(primary)}, grid, block, shared_bytes, order,
+                                          0, kernel, a...);
+                           }, params);
+                         },
+                         reinterpret_cast<const void*>(kernel)};
+  const bool again = std::any_of(s.launches.begin(), s.launches.end(),
+                                 [&](const Stream::Pending& p) { return p.kernel == launch.kernel; });
+  if (!dependent || again) {  // (again: a kernel's __shared__ statics hold one of its blocks at a time)
+    synchronize();
+  } else if (s.launches.size() == 2 && (s.later = !s.later)) {  // arm the later pair: its primary's primary first
+    std::vector<Stream::Pending> pair = std::move(s.launches);
+    s.launches.clear();  // (nothing left pending if the first faults)
+    pair[0].run(nullptr);
+    s.launches.push_back(std::move(pair[1]));
+  } else if (s.launches.size() == 2) {  // keep the earlier pair armed: this launch after it
+    synchronize();
+  }
+  s.launches.push_back(std::move(launch));
 }
 
 template <typename T>

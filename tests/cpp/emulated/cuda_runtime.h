@@ -231,18 +231,25 @@ struct cudaLaunchConfig_t {
   unsigned numAttrs = 0;
 };
 
-// A launch: run now (a fault becomes the launch's error, as a GPU reports a bad launch or a trap).
+// A launch: enqueued on the one stream (run at the next launch that is not its programmatic
+// dependent, or at a synchronisation; cuda_emulator.h's enqueue). A bad configuration is the launch's
+// error; a fault while a kernel runs is the error of the call that runs it (a later launch or a
+// synchronisation), as a GPU reports a kernel's fault at a later call.
 template <typename... Params, typename... Args>
 cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel)(Params...), Args... args) {
   const auto it = emu_shared_limits().find(reinterpret_cast<const void*>(kernel));
   const std::size_t limit = it == emu_shared_limits().end() ? 49152 : static_cast<std::size_t>(it->second);
+  bool dependent = false;
+  for (unsigned i = 0; i < c->numAttrs; ++i)
+    dependent |= c->attrs[i].id == cudaLaunchAttributeProgrammaticStreamSerialization &&
+                 c->attrs[i].val.programmaticStreamSerializationAllowed != 0;
   try {
     if (c->dynamicSmemBytes > limit)
       throw ::emu::Fault("launch: " + std::to_string(c->dynamicSmemBytes) + " bytes of dynamic shared memory over the "
                          "kernel's limit of " + std::to_string(limit) + " (cudaFuncSetAttribute)");
-    ::emu::launch(::emu::Dim3{c->gridDim.x, c->gridDim.y, c->gridDim.z},
-                  ::emu::Dim3{c->blockDim.x, c->blockDim.y, c->blockDim.z}, c->dynamicSmemBytes,
-                  ::emu::default_order(), 0, kernel, static_cast<Params>(args)...);
+    ::emu::enqueue(dependent, ::emu::Dim3{c->gridDim.x, c->gridDim.y, c->gridDim.z},
+                   ::emu::Dim3{c->blockDim.x, c->blockDim.y, c->blockDim.z}, c->dynamicSmemBytes,
+                   ::emu::default_order(), kernel, static_cast<Params>(args)...);
   } catch (const std::exception& e) {
     emu_last_message() = std::string("emulated launch: ") + e.what();
     emu_last_error() = cudaErrorLaunchFailure;
@@ -250,3 +257,16 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel)(Param
   }
   return cudaSuccess;
 }
+
+// Runs every launch enqueued; the error of a kernel that faults.
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  try {
+    ::emu::synchronize();
+  } catch (const std::exception& e) {
+    emu_last_message() = std::string("emulated kernel: ") + e.what();
+    emu_last_error() = cudaErrorLaunchFailure;
+    return emu_last_error();
+  }
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceSynchronize() { return cudaStreamSynchronize(nullptr); }
