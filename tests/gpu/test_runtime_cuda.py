@@ -151,6 +151,29 @@ def test_greedy_speculation_on_cuda_equals_greedy_ar(folder, tmp_path):
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want, policy
 
 
+def _steps_agree(models, tol: float, where: str, decode_steps: int, verify_steps: int, stats: bool):
+    """Two models (the reference first) on the prompts' first 5 tokens: greedy decode steps (the
+    reference's argmax fed to both) and budgeted verify trees (committed), logits within ``tol`` of
+    their scale and, with ``stats``, the same expert statistics. Returns the caches and the last tokens."""
+    caches = [m.new_cache(2, 48) for m in models]
+    for m, c in zip(models, caches):
+        m.prefill(c, [p[:5] for p in PROMPTS])
+    tokens = [7, 11]
+    for step in range(decode_steps):
+        d = [m.decode(c, tokens) for m, c in zip(models, caches)]
+        _close(d[1].logits, d[0].logits, tol, f"{where}decode {step}")
+        assert not stats or torch.equal(d[1].expert_stats, d[0].expert_stats)
+        tokens = [int(t) for t in d[0].logits.argmax(-1)]
+    for step in range(verify_steps):
+        trees = [[tokens[0], 3 + step, 4, 5], [tokens[1], 6, 7 + step, 8]]
+        v = [m.verify(c, trees, [[-1, 0, 0, 1], [-1, 0, 1, 1]], budget=ExpertBudget(4)) for m, c in zip(models, caches)]
+        _close(v[1].logits, v[0].logits, tol, f"{where}verify {step}")
+        assert not stats or torch.equal(v[1].expert_stats, v[0].expert_stats)
+        for m, c in zip(models, caches):
+            m.commit(c, [[0, 1], [0]])
+    return caches, tokens
+
+
 @pytest.mark.parametrize("fused,pdl", [("1", "1"), ("1", "0"), ("0", "1")],
                          ids=["fused-forward", "fused-forward-no-pdl", "reference-forward"])
 def test_graph_replay_equals_eager(folder, fused, pdl, monkeypatch):
@@ -169,23 +192,8 @@ def test_graph_replay_equals_eager(folder, fused, pdl, monkeypatch):
     graphs = mm.load(folder, "fp32", device="cuda")
     graphs.backend_name = "graphs"
     assert (graphs.backend.fused is not None) == (fused == "1")
-    caches = [m.new_cache(2, 48) for m in (eager, graphs)]
-    for m, c in zip((eager, graphs), caches):
-        m.prefill(c, [p[:5] for p in PROMPTS])
-    tokens = [7, 11]
-    for step in range(6):
-        d = [m.decode(c, tokens) for m, c in zip((eager, graphs), caches)]
-        _close(d[1].logits, d[0].logits, 1e-4, f"decode {step}")
-        assert torch.equal(d[1].expert_stats, d[0].expert_stats)
-        tokens = [int(t) for t in d[0].logits.argmax(-1)]
+    caches, tokens = _steps_agree((eager, graphs), 1e-4, "", decode_steps=6, verify_steps=3, stats=True)
     budget = ExpertBudget(4)
-    for step in range(3):
-        trees = [[tokens[0], 3 + step, 4, 5], [tokens[1], 6, 7 + step, 8]]
-        v = [m.verify(c, trees, [[-1, 0, 0, 1], [-1, 0, 1, 1]], budget=budget) for m, c in zip((eager, graphs), caches)]
-        _close(v[1].logits, v[0].logits, 1e-4, f"verify {step}")
-        assert torch.equal(v[1].expert_stats, v[0].expert_stats)
-        for m, c in zip((eager, graphs), caches):
-            m.commit(c, [[0, 1], [0]])
     assert all(s.graph is not None for s in graphs.backend.steps.values()) and len(graphs.backend.steps) == 2
     # unequal trees fit no bucket: eagerly, through the fused forward on packed tokens where it runs
     trees, parents = [[tokens[0], 3, 4, 5], [tokens[1], 6]], [[-1, 0, 0, 1], [-1, 0]]
@@ -230,20 +238,7 @@ def test_bf16_graph_steps_match_the_cpu(every_expert_folder):
     cpu.backend_name = "reference"
     gpu = mm.load(every_expert_folder, "bf16", device="cuda")
     assert gpu.backend_name == "graphs" and gpu.backend.fused is not None
-    caches = [m.new_cache(2, 48) for m in (cpu, gpu)]
-    for m, c in zip((cpu, gpu), caches):
-        m.prefill(c, [p[:5] for p in PROMPTS])
-    tokens = [7, 11]
-    for step in range(6):
-        d = [m.decode(c, tokens) for m, c in zip((cpu, gpu), caches)]
-        _close(d[1].logits, d[0].logits, 2e-2, f"bf16 decode {step}")
-        tokens = [int(t) for t in d[0].logits.argmax(-1)]
-    for step in range(2):
-        trees = [[tokens[0], 3 + step, 4, 5], [tokens[1], 6, 7 + step, 8]]
-        v = [m.verify(c, trees, [[-1, 0, 0, 1], [-1, 0, 1, 1]], budget=ExpertBudget(4)) for m, c in zip((cpu, gpu), caches)]
-        _close(v[1].logits, v[0].logits, 2e-2, f"bf16 verify {step}")
-        for m, c in zip((cpu, gpu), caches):
-            m.commit(c, [[0, 1], [0]])
+    _steps_agree((cpu, gpu), 2e-2, "bf16 ", decode_steps=6, verify_steps=2, stats=False)
     assert all(s.graph is not None for s in gpu.backend.steps.values()) and len(gpu.backend.steps) == 2
 
 
