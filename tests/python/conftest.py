@@ -22,3 +22,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# test_virtual_cuda's emulated kernel run beside the other tests (its EmulatedRun), and the intra-op
+# threads those take meanwhile: one (two on a core another process keeps busy spin, see one_thread).
+_early: dict = {}
+
+
+def pytest_collection_finish(session) -> None:
+    for item in session.items:
+        if item.name == "test_the_gpu_tests_of_the_kernels_and_the_runtime_pass_on_the_emulated_kernels":
+            _early["run"], _early["threads"] = item.module.EMULATED_RUN, torch.get_num_threads()
+            _early["run"].start()
+            torch.set_num_threads(1)
+            return
+
+
+def pytest_runtest_setup(item) -> None:
+    if "threads" in _early and not _early["run"].running():
+        torch.set_num_threads(_early.pop("threads"))
+
+
+def pytest_sessionfinish(session) -> None:
+    if "run" in _early:
+        _early["run"].stop()  # (a session stopped before its test)

@@ -16,6 +16,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -82,8 +83,8 @@ def test_a_graph_records_native_launches_and_refuses_a_read_back():
 
 # The kernel tests of tests/gpu on the emulated kernels, lean enough for CI's two cores (each test
 # with its small shapes; the largest, the routing grid, which the routing hypothesis test samples, and
-# the variants that differ only in programmatic dependent launch, which the emulator runs as plain
-# launches, are left to GPU sessions and to the README's command), then the runtime's.
+# the variants that launch plainly instead of as programmatic dependents, whose code the dependent
+# variants run, are left to GPU sessions and to the README's command), then the runtime's.
 KERNEL_TESTS = ["tests/gpu/test_route_experts_cuda.py", "tests/gpu/test_draft_tree_cuda.py",
                 "tests/gpu/test_select_cost_aware_cuda.py", "tests/gpu/test_moe_experts_cuda.py",
                 "tests/gpu/test_decoder_ops_cuda.py", "tests/gpu/test_linear_cuda.py"]
@@ -118,18 +119,51 @@ def test_native_launches_run_the_emulated_kernels(monkeypatch):
             pass
 
 
+class EmulatedRun:
+    """That run: a pytest subprocess of about four minutes on one thread (the block emulator's fibers),
+    started by tests/python/conftest.py as soon as the session's tests are known, so that it runs on the
+    second core beside the other tests, or else by its test."""
+
+    def __init__(self) -> None:
+        self.proc, self.out = None, None
+
+    def start(self) -> None:
+        if self.proc is None:
+            env = {**os.environ, "MOESPEC_VIRTUAL_KERNELS": "emulated", "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests" / "python")])}
+            self.out = tempfile.TemporaryFile(mode="w+")  # (not a pipe: nothing reads it until the test)
+            self.proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "virtual_cuda", "-p",
+                                          "no:cacheprovider", "-k", EMULATED, *KERNEL_TESTS,
+                                          "tests/gpu/test_runtime_cuda.py"], cwd=ROOT, env=env, stdout=self.out,
+                                         stderr=subprocess.STDOUT, text=True)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def result(self) -> tuple[int, str]:
+        """Its exit status and output, once it has ended (15 minutes at most)."""
+        self.start()
+        self.proc.wait(timeout=900)
+        self.out.seek(0)
+        return self.proc.returncode, self.out.read()
+
+    def stop(self) -> None:
+        if self.running():
+            self.proc.kill()
+            self.proc.wait()
+
+
+EMULATED_RUN = EmulatedRun()
+
+
 def test_the_gpu_tests_of_the_kernels_and_the_runtime_pass_on_the_emulated_kernels():
     """tests/gpu's kernel tests (each kernel against the CPU op) and the runtime's (CUDA logits against
     the CPU's, greedy speculation equal to greedy decoding, graph replays equal to eager steps, the
     synchronisations a step) with every native launch running the kernel's CUDA source."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests" / "python")]),
-           "MOESPEC_VIRTUAL_KERNELS": "emulated"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "virtual_cuda", "-p", "no:cacheprovider",
-                          "-k", EMULATED, *KERNEL_TESTS, "tests/gpu/test_runtime_cuda.py"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    tail = run.stdout.strip().splitlines()[-1]
-    assert "passed" in tail and "failed" not in tail and "error" not in tail, run.stdout[-3000:]
+    returncode, out = EMULATED_RUN.result()
+    assert returncode == 0, out[-8000:]
+    tail = out.strip().splitlines()[-1]
+    assert "passed" in tail and "failed" not in tail and "error" not in tail, out[-3000:]
 
 
 def test_moespec_bench_runs_on_cuda(tmp_path):
