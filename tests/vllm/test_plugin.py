@@ -4,6 +4,8 @@ family) written by transformers, in fp32, eager (no compilation)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -36,12 +38,22 @@ def head(folder, tmp_path_factory):
     return out
 
 
-def generate(folder, speculative=None, max_tokens: int = 12, eager: bool = True) -> list[list[int]]:
-    from vllm import LLM, SamplingParams
+def generate(folder, speculative=None, max_tokens: int = 12, eager: bool = True,
+             own_process: bool = False) -> list[list[int]]:
+    """Greedy outputs of one vLLM engine; in this process (conftest) unless own_process: then in an engine
+    core process of its own, vLLM's default, where the plugin is loaded through its entry point."""
+    from vllm import LLM, SamplingParams, envs
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(folder), tokenizer=None, skip_tokenizer_init=True, dtype="float32", enforce_eager=eager,
-              max_model_len=64, max_num_seqs=2, speculative_config=speculative, seed=0)
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else before
+    envs.disable_envs_cache()  # (an engine in this process caches vLLM's environment)
+    try:
+        llm = LLM(model=str(folder), tokenizer=None, skip_tokenizer_init=True, dtype="float32", enforce_eager=eager,
+                  max_model_len=64, max_num_seqs=2, speculative_config=speculative, seed=0)
+    finally:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+        envs.disable_envs_cache()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False))
     del llm
@@ -157,15 +169,17 @@ def test_vllm_greedy_equals_moespec(folder, ar):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 def test_vllm_eagle3_through_the_plugin_equals_ar(folder, head, ar, eager):
     """vLLM's EAGLE-3 (chain drafts) on the plugin's Mixtral class: greedy output == greedy ar, eager and
-    compiled (vLLM's default: torch.compile of the inner model, which must run the plugin's forward)."""
+    compiled (vLLM's default: torch.compile of the inner model, which must run the plugin's forward). The
+    eager one runs as vLLM does by default, its engine core in a process of its own (the plugin loaded there
+    through its entry point)."""
     want = ar if eager else generate(folder, eager=False)
-    got = generate(folder, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}, eager=eager)
+    got = generate(folder, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}, eager=eager,
+                   own_process=eager)
     assert got == want
 
 
-def _budget_run(folder, head, budget: str, mode: str = "eager"):
+def _budget_run(folder, head, budget: str, mode: str):
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -177,35 +191,61 @@ def _budget_run(folder, head, budget: str, mode: str = "eager"):
     return run, (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None)
 
 
-@pytest.fixture(scope="module")
-def budget_3(folder, head):
-    """vLLM with MOESPEC_BUDGET=3 (budget_run.py in a subprocess): its run and its outputs and stats."""
-    return _budget_run(folder, head, "3")
+def budget_runs(*runs):
+    """Marks a test that reads these budget_run.py runs, (MOESPEC_BUDGET, eager|compiled) each, from the
+    budget_runs fixture."""
+    return pytest.mark.budget_runs(*runs)
 
 
-def test_a_binding_budget_caps_every_verify_pass(folder, head, ar, budget_3):
+@pytest.fixture(scope="module", name="budget_runs")
+def budget_runs_fixture(request, folder, head):
+    """The budget_run.py runs (vLLM loads plugins once per process, so a budget needs a fresh one) that
+    this session's tests mark, started in the background together: one process at a time, beside the tests
+    whose engines run in this process (each mostly one of the machine's cores). {run: its Future of
+    (completed process, its JSON line or None)}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted = dict.fromkeys(run for item in request.session.items for mark in item.iter_markers("budget_runs")
+                           for run in mark.args)
+    pool = ThreadPoolExecutor(max_workers=1)
+    yield {run: pool.submit(_budget_run, folder, head, *run) for run in wanted}
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_budget_runs_early(request):
+    """budget_runs from the module's first test on, where any test of the session marks one."""
+    if any(item.get_closest_marker("budget_runs") for item in request.session.items):
+        request.getfixturevalue("budget_runs")
+
+
+def _finished(future):
+    run, got = future.result()
+    assert run.returncode == 0, run.stderr[-3000:]
+    return got
+
+
+@budget_runs(("3", "eager"), ("8", "eager"))
+def test_a_binding_budget_caps_every_verify_pass(ar, budget_runs):
     """MOESPEC_BUDGET=3 (of 8 experts, top-2): every budgeted routing call (verify passes only: 4
     tokens each, 2 MoE layers... as many calls as layers x verify passes) keeps at most 3 experts and
     some would have used more; a budget of 8 (all experts) changes nothing: the output is greedy ar's."""
-    run, got = budget_3
-    assert run.returncode == 0, run.stderr[-3000:]
-    stats = got["stats"]
+    stats = _finished(budget_runs["3", "eager"])["stats"]
     assert stats and all(kept <= 3 for _, kept, _, _ in stats) and any(natural > 3 for natural, _, _, _ in stats)
     assert len(stats) % 4 == 0  # 4 MoE layers per verify pass: whole passes only (prefill and decode untouched)
-    run, free = _budget_run(folder, head, "8")
-    assert run.returncode == 0, run.stderr[-3000:]
+    free = _finished(budget_runs["8", "eager"])
     assert free["outputs"] == ar and all(kept == natural for natural, kept, _, _ in free["stats"])
 
 
-def test_a_binding_budget_gives_moespecs_own_budgeted_output(folder, head, ar, budget_3):
+@budget_runs(("3", "eager"))
+def test_a_binding_budget_gives_moespecs_own_budgeted_output(folder, head, ar, budget_runs):
     """vLLM + MOESPEC_BUDGET=3 against moespec's runtime with eagle3+budget:3 on the same chain (3 drafts,
     top-1: vLLM's chain), both requests verified together in every pass, fp32: the same greedy tokens.
     (Equal because both route the same logits up to fp32 rounding and no budget choice here sits on a
     tie; the budget makes both differ from plain greedy decoding.)"""
     from moespec import LLM, SamplingParams, SpeculativeConfig
 
-    run, got = budget_3
-    assert run.returncode == 0, run.stderr[-3000:]
+    got = _finished(budget_runs["3", "eager"])
     llm = LLM(str(folder), dtype="fp32", draft=str(head),
               speculative_config=SpeculativeConfig("eagle3+budget", depth=3, top_k=1, total_tokens=3, budget=3))
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
@@ -213,23 +253,24 @@ def test_a_binding_budget_gives_moespecs_own_budgeted_output(folder, head, ar, b
     assert want != ar  # the budget binds: not plain greedy decoding
 
 
-def test_the_budget_holds_in_vllms_compiled_graph(folder, head):
+@budget_runs(("3", "compiled"))
+def test_the_budget_holds_in_vllms_compiled_graph(budget_runs):
     """enforce_eager=False (vLLM's torch.compile of the model on the CPU): the budget is an opaque op,
     so the compiled graph still decides per pass: verify passes capped at 3, whole passes only."""
-    run, got = _budget_run(folder, head, "3", mode="compiled")
-    assert run.returncode == 0, run.stderr[-3000:]
-    stats = got["stats"]
+    stats = _finished(budget_runs["3", "compiled"])["stats"]
     assert stats and all(kept <= 3 for _, kept, _, _ in stats) and any(natural > 3 for natural, _, _, _ in stats)
     assert len(stats) % 4 == 0
 
 
-def test_a_bad_budget_is_an_error_at_engine_start(folder, head):
-    run, _ = _budget_run(folder, head, "many")
+@budget_runs(("many", "eager"))
+def test_a_bad_budget_is_an_error_at_engine_start(budget_runs):
+    run, _ = budget_runs["many", "eager"].result()
     assert run.returncode != 0 and "MOESPEC_BUDGET='many'" in run.stderr
 
 
 def _spec_run(folder, speculative, prompts):
-    """Greedy outputs and the draft tokens vLLM proposed (its spec-decode metrics), one LLM."""
+    """Greedy outputs and the draft tokens vLLM proposed (its spec-decode metrics), one LLM, its engine in
+    this process (conftest): both requests are queued before its first step."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -242,11 +283,10 @@ def _spec_run(folder, speculative, prompts):
     return [list(o.outputs[0].token_ids) for o in outs], drafts
 
 
-def test_cost_aware_drafts_per_batch_size_change_only_how_many_are_verified(folder, head, ar, monkeypatch):
+def test_cost_aware_drafts_per_batch_size_change_only_how_many_are_verified(folder, head, ar):
     """moespec's schedule (moespec.cost.schedule, vLLM's num_speculative_tokens_per_batch_size): the same
     greedy outputs as ar whatever it chooses; a schedule of fewer drafts proposes fewer; one of 0 drafts
     at the batch that runs proposes (next to) none."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine here: both requests queued before a step
     from moespec.cost.hardware import hardware
     from moespec.cost.schedule import draft_schedule
     from moespec.cost.speedup import transfer
