@@ -17,4 +17,5 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (./build.sh test-
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "budget_runs(*runs): the budget_run.py runs a test reads (test_plugin.budget_runs)")
+    config.addinivalue_line("markers", "budget_runs(*runs): the budget_run.py runs a test reads "
+                                       "(test_plugin.budget_runs)")
