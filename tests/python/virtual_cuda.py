@@ -455,7 +455,6 @@ def virtual_cuda(kernels: str | None = None) -> Iterator[VirtualCuda]:
         return None if d is None else _Desc(d, t, False)
 
     def to(self, *args, **kwargs):
-        _run_deferred()
         device, dtype = kwargs.get("device"), kwargs.get("dtype")
         flags = [a for a in args if isinstance(a, bool)]  # (non_blocking, copy), positionally
         non_blocking = kwargs.get("non_blocking", flags[0] if flags else False)
@@ -469,10 +468,14 @@ def virtual_cuda(kernels: str | None = None) -> Iterator[VirtualCuda]:
                 device = a
         on = isinstance(self, VirtualCudaTensor)
         device = None if device is None else torch.device(device)
-        if device is None or (device.type == "cuda") == on:  # the same device
+        same = device is None or (device.type == "cuda") == on
+        if same and (dtype is None or dtype == self.dtype) and not copy:
+            return self  # (no data touched: deferred launches stay deferred)
+        _run_deferred()
+        if same:
             if dtype is not None and dtype != self.dtype:
                 return real["to"](self, dtype=dtype)
-            return real["to"](self, dtype=self.dtype, copy=True) if copy else self
+            return real["to"](self, dtype=self.dtype, copy=True)
         if device.type == "cuda":  # to the device: blocking from pageable memory
             if not non_blocking:
                 mode.syncs.add("a blocking copy to the device")
