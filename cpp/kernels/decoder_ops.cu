@@ -215,6 +215,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
   constexpr int kPerWord = 4 / sizeof(T);  // elements in a 32-bit word
   MOESPEC_DYNAMIC_SHARED(uint32_t, smem);
   __shared__ int64_t new_pos[kMaxTreeTokens];  // (a window) the new slots' positions
+  __shared__ uint32_t mask_bits[kWarpsPerBlock][kMaxMaskWords];  // a warp's token's mask row (not a local array)
   const int D = s.D, words = D / kPerWord, stride = words + 1;  // (odd: lane r's row r starts in bank r)
   constexpr int kPerLane = kChunk / kWarp;
   uint32_t* ks = smem;                                      // [kChunk, stride]
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
   int64_t lo, hi;
   split_range(end, s.splits, kChunk, c, lo, hi);
   const int64_t row = p * s.Hq + h;  // of q, out (when active)
-  uint32_t bits[kMaxMaskWords] = {};
+  uint32_t* bits = mask_bits[warp];  // (read after the chunk loop's first barrier)
   int64_t q_pos = 0;
   if (s.window > 0) {  // (read after the chunk loop's first barrier)
     for (int j = threadIdx.x; j < n; j += blockDim.x) new_pos[j] = positions[first + j];
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
   }
   if (active) {
     for (int d = lane; d < D; d += kWarp) qs[warp * D + d] = to_f(q[row * D + d]);
-    for (int w = 0; w < s.W; ++w) bits[w] = static_cast<uint32_t>(mask[p * s.W + w]);
+    for (int w = lane; w < s.W; w += kWarp) bits[w] = static_cast<uint32_t>(mask[p * s.W + w]);
   }
   const T* kb = k_cache + (static_cast<int64_t>(b) * s.Hkv + g) * s.S * D;
   const T* vb = v_cache + (static_cast<int64_t>(b) * s.Hkv + g) * s.S * D;
@@ -306,8 +307,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_kernel(
         const uint32_t* vr = vs + (src + kWarp * j) * stride;
         for (int k = 0; k < kWordsPerLane; ++k) {
           const int w = lane + kWarp * k;
-          if (w >= words) break;
-          const uint32_t word = vr[w];
+          const uint32_t word = w < words ? vr[w] : 0u;  // (no break: ptxas kept acc in local memory)
           if constexpr (kPerWord == 2) {
             acc[2 * k] += pr * __uint_as_float(word << 16);
             acc[2 * k + 1] += pr * __uint_as_float(word & 0xffff0000u);
