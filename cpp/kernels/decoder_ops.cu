@@ -42,6 +42,10 @@ using namespace device;  // kWarp, kFullMask, to_f, from_f, warp_sum
 constexpr int kThreads = 256;          // every kernel's block (combine: 128)
 constexpr int kWarpsPerBlock = kThreads / kWarp;  // tree_attention: tokens a block
 static_assert(kWarpsPerBlock == kTreeGroupTokens, "tree_attention: a warp a token of the group");
+// tree_attention's blocks an SM: the 48 registers ptxas chose on its own, stated, so that on sm_90a it
+// allocates them without the 12 bytes of spills it made in the bf16 64-slot instantiation (ptxas -v;
+// sm_80's bf16 instantiations spill 8-12 bytes either way)
+constexpr int kTreeBlocksPerSm = 5;
 constexpr int kWordsPerLane = 4;       // tree_attention: 32-bit words of a cache row a lane accumulates
 constexpr int kMaxMaskWords = (kMaxTreeTokens + 31) / 32;
 constexpr int kTargetBlocks = 528;     // tree_attention splits until about 4 blocks an SM of an H100/H200
@@ -205,7 +209,7 @@ __device__ __forceinline__ void split_range(int64_t end, int splits, int chunk, 
 }
 
 template <typename T, int kChunk>  // kChunk: slots staged at a time (32 or 64: one or two a lane)
-__global__ void __launch_bounds__(kThreads) tree_attention_kernel(
+__global__ void __launch_bounds__(kThreads, kTreeBlocksPerSm) tree_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int64_t* __restrict__ start, const int64_t* __restrict__ offsets, const int32_t* __restrict__ groups,
     const int64_t* __restrict__ spans, const int32_t* __restrict__ mask, const int64_t* __restrict__ positions, const void* __restrict__ sinks,
