@@ -21,8 +21,8 @@ _threads: dict = {}  # "session": the session's threads, "run": the emulated run
 
 def _set_threads() -> None:
     run = _threads.get("run")
-    want = 1 if _threads.get("one") or (run is not None and run.running()) else _threads.get("session")
-    if want and torch.get_num_threads() != want:
+    want = 1 if _threads.get("one") or (run is not None and run.running()) else _threads["session"]
+    if torch.get_num_threads() != want:
         torch.set_num_threads(want)
 
 
@@ -31,7 +31,6 @@ def one_thread():
     """Tiny tensors: one intra-op thread is as fast, and immune to the spin-waits of an oversubscribed
     OpenMP pool when other jobs share the cores (seen: 20x slower runs with 2 threads). Modules opt in
     with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    _threads.setdefault("session", torch.get_num_threads())
     _threads["one"] = True
     _set_threads()
     yield

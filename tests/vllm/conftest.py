@@ -18,4 +18,4 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (./build.sh test-
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "budget_runs(*runs): the budget_run.py runs a test reads "
-                                       "(test_plugin.budget_runs)")
+                                       "(the test_plugin.budget_runs fixture)")

@@ -191,18 +191,13 @@ def _budget_run(folder, head, budget: str, mode: str):
     return run, (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None)
 
 
-def budget_runs(*runs):
-    """Marks a test that reads these budget_run.py runs, (MOESPEC_BUDGET, eager|compiled) each, from the
-    budget_runs fixture."""
-    return pytest.mark.budget_runs(*runs)
-
-
-@pytest.fixture(scope="module", name="budget_runs")
-def budget_runs_fixture(request, folder, head):
+@pytest.fixture(scope="module")
+def budget_runs(request, folder, head):
     """The budget_run.py runs (vLLM loads plugins once per process, so a budget needs a fresh one) that
-    this session's tests mark, started in the background together: one process at a time, beside the tests
-    whose engines run in this process (each mostly one of the machine's cores). {run: its Future of
-    (completed process, its JSON line or None)}."""
+    this session's tests mark, ``@pytest.mark.budget_runs((MOESPEC_BUDGET, "eager" | "compiled"), ...)``,
+    started in the background together: one process at a time, beside the tests whose engines run in this
+    process (each mostly one of the machine's cores). {run: its Future of (completed process, its JSON line
+    or None)}."""
     from concurrent.futures import ThreadPoolExecutor
 
     wanted = dict.fromkeys(run for item in request.session.items for mark in item.iter_markers("budget_runs")
@@ -225,7 +220,7 @@ def _finished(future):
     return got
 
 
-@budget_runs(("3", "eager"), ("8", "eager"))
+@pytest.mark.budget_runs(("3", "eager"), ("8", "eager"))
 def test_a_binding_budget_caps_every_verify_pass(ar, budget_runs):
     """MOESPEC_BUDGET=3 (of 8 experts, top-2): every budgeted routing call (verify passes only: 4
     tokens each, 2 MoE layers... as many calls as layers x verify passes) keeps at most 3 experts and
@@ -237,7 +232,7 @@ def test_a_binding_budget_caps_every_verify_pass(ar, budget_runs):
     assert free["outputs"] == ar and all(kept == natural for natural, kept, _, _ in free["stats"])
 
 
-@budget_runs(("3", "eager"))
+@pytest.mark.budget_runs(("3", "eager"))
 def test_a_binding_budget_gives_moespecs_own_budgeted_output(folder, head, ar, budget_runs):
     """vLLM + MOESPEC_BUDGET=3 against moespec's runtime with eagle3+budget:3 on the same chain (3 drafts,
     top-1: vLLM's chain), both requests verified together in every pass, fp32: the same greedy tokens.
@@ -253,7 +248,7 @@ def test_a_binding_budget_gives_moespecs_own_budgeted_output(folder, head, ar, b
     assert want != ar  # the budget binds: not plain greedy decoding
 
 
-@budget_runs(("3", "compiled"))
+@pytest.mark.budget_runs(("3", "compiled"))
 def test_the_budget_holds_in_vllms_compiled_graph(budget_runs):
     """enforce_eager=False (vLLM's torch.compile of the model on the CPU): the budget is an opaque op,
     so the compiled graph still decides per pass: verify passes capped at 3, whole passes only."""
@@ -262,7 +257,7 @@ def test_the_budget_holds_in_vllms_compiled_graph(budget_runs):
     assert len(stats) % 4 == 0
 
 
-@budget_runs(("many", "eager"))
+@pytest.mark.budget_runs(("many", "eager"))
 def test_a_bad_budget_is_an_error_at_engine_start(budget_runs):
     run, _ = budget_runs["many", "eager"].result()
     assert run.returncode != 0 and "MOESPEC_BUDGET='many'" in run.stderr
