@@ -185,7 +185,7 @@ setup_gpu_env_venv() {
   if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     return
   fi
-  log "creating .venv-gpu-env with the GPU machine's torch and transformers (requirements-gpu-env.txt; first run: a few minutes)"
+  log "creating .venv-gpu-env: the GPU machine's torch and transformers (requirements-gpu-env.txt; a few minutes)"
   rm -rf "$venv"
   "${MOESPEC_PYTHON_BIN:-python3.11}" -m venv "$venv"
   names=$(grep -Eo '^[A-Za-z0-9_.-]+==' requirements-gpu-env.txt | tr -d '=' | paste -sd'|')
@@ -204,6 +204,7 @@ run_gpu_env_tests() {
   local tree=$ROOT/build/gpu-env/tree venv=$ROOT/.venv-gpu-env
   log "copying the working tree to build/gpu-env/tree"
   mkdir -p "$tree"
+  find "$tree" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +  # (no stale file; the build kept)
   git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C "$tree"
   (
     ROOT=$tree VENV=$venv BUILD=$tree/build/dev
@@ -211,7 +212,7 @@ run_gpu_env_tests() {
     configure
     build_native
     install_dev
-    log "GPU check's Python on torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') (tests/gpu, the virtual device, the timing scripts)"
+    log "the GPU check's Python on torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/gpu tests/python/test_virtual_cuda.py \
       tests/python/test_gpu_scripts.py tests/python/test_gpu_tables.py
   )
@@ -225,5 +226,6 @@ case "${1:-build}" in
   sanitize) run_sanitize ;;
   bench) build_all && run_bench ;;
   -h | --help | help) sed -n '2,27p' "$0" ;;
-  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench, ./build.sh test-vllm, ./build.sh test-gpu-env, ./build.sh sanitize)" ;;
+  *) die "unknown command '$1' (expected: ./build.sh, ./build.sh test, ./build.sh bench, ./build.sh test-vllm," \
+       "./build.sh test-gpu-env, ./build.sh sanitize)" ;;
 esac
