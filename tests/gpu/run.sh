@@ -16,7 +16,9 @@
 # TensorRT plugins are built too, and ctest runs their enqueue on the GPU, test_plugins_enqueue;
 # the device machine has no TensorRT, so a device call copies the public headers into an ignored
 # folder of the checkout, carries it and points TensorRT_ROOT there). Logs, summary.json (each
-# step passed or failed) and the timings' JSON go to $OUT when set, else to build-gpu/logs.
+# step passed or failed) and the timings' JSON go to $OUT when set, else to build-gpu/logs. ONLY (a bash
+# regex over the step names, as summary.json and the log print them) runs those steps alone after the
+# build, for a second device call: e.g. ONLY='timing: (moe_experts|runtime)' or ONLY='test_linear'.
 #
 # The device call (one prepared command; up to the deadline, 565 s, on an H200):
 #   mkdir -p .trt-headers && cp -r ../shared/third_party/tensorrt/include .trt-headers/   # (ignored by git)
@@ -30,6 +32,13 @@ mkdir -p "$LOGS"
 PY=$(command -v python3)
 log() { printf '\033[1m[tests/gpu/run.sh]\033[0m %s\n' "$*"; }
 status=0  # a failing test step still lets the later steps run; the script then exits non-zero
+
+if [[ -n "${ONLY:-}" ]]; then  # (checked before the build: a bad pattern would select nothing)
+  only_rc=0
+  [[ "" =~ $ONLY ]] || only_rc=$?
+  if (( only_rc == 2 )); then echo "tests/gpu/run.sh: ONLY is not a valid regular expression: '$ONLY'" >&2; exit 2; fi
+  log "ONLY='$ONLY': the build, then only the steps whose names it matches"
+fi
 
 trt=()
 if [[ -n "${TensorRT_ROOT:-}" ]]; then
@@ -54,10 +63,16 @@ skip() {  # skip <name>: recorded as skipped for time (a failure unless the step
   (( optional )) || status=1
   (IFS=,; printf '{%s}\n' "${results[*]}") >"$LOGS/summary.json"
 }
+selected() {  # selected <name>: whether ONLY (a bash regex over step names; unset: every step) takes it
+  [[ -z "${ONLY:-}" || "$1" =~ $ONLY ]]
+}
 step() {  # step <name> <log file> <seconds> <command...>: runs it (stopped after <seconds>: one hung
   # step must not eat the device call), logs it, records its result
   local name=$1 file=$2 limit=$3 started=$SECONDS
   shift 3
+  if ! selected "$name"; then
+    ok=1; last_rc=0; return  # (not asked for: neither run nor recorded)
+  fi
   if (( SECONDS + 10 > DEADLINE )); then
     skip "$name"
   else
@@ -107,6 +122,7 @@ gpu_tests "${first_tests[@]}"
 # compute-sanitizer over small cases of the newest kernels (tests/gpu/sanitize.py): right away when a
 # GPU test failed (its report names the kernel and the line of a bad access), else last, if time is left
 sanitize() {  # sanitize <tool> <seconds>
+  selected "compute-sanitizer $1" || return 0
   local limit=$(( $2 < DEADLINE - SECONDS - 15 ? $2 : DEADLINE - SECONDS - 15 ))
   if (( limit < 20 )); then skip "compute-sanitizer $1"; return; fi  # (too little to start a test under it)
   step "compute-sanitizer $1" sanitizer.log $((limit + 10)) env PYTHONPATH=python "$PY" tests/gpu/sanitize.py "$1" --limit "$limit"

@@ -76,6 +76,28 @@ def _fallback_env() -> dict:
     return dict(word.split("=", 1) for word in words)
 
 
+def test_run_shs_only_selects_steps_by_their_names_and_refuses_a_bad_pattern(tmp_path):
+    """run.sh's ONLY (a second device call's few steps): its `selected` takes the step names a pattern
+    matches, every step without ONLY; a pattern bash cannot compile stops the script before it
+    configures anything (it would select nothing, and the call would come back empty)."""
+    run_sh = ROOT / "tests" / "gpu" / "run.sh"
+    function = run_sh.read_text().split("\nselected() {", 1)[1].split("\n}\n", 1)[0]
+    probe = ("selected() {" + function + "\n}\n"
+             "for name in 'timing: moe_experts' 'timing: runtime steps' 'timing: linear' "
+             "'GPU tests (tests/gpu/test_linear_cuda.py)' 'C++ tests (ctest)'; do\n"
+             "  if selected \"$name\"; then echo \"$name\"; fi\ndone")
+    picked = {only: subprocess.run(["bash", "-c", probe], env={**os.environ, "ONLY": only}, capture_output=True,
+                                   text=True, check=True).stdout.splitlines()
+              for only in ("timing: (moe_experts|runtime)", "test_linear", "")}
+    assert picked["timing: (moe_experts|runtime)"] == ["timing: moe_experts", "timing: runtime steps"]
+    assert picked["test_linear"] == ["GPU tests (tests/gpu/test_linear_cuda.py)"]
+    assert len(picked[""]) == 5
+    env = {**os.environ, "ONLY": "timing: (moe", "OUT": str(tmp_path)}
+    done = subprocess.run(["bash", str(run_sh)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "ONLY is not a valid regular expression" in done.stderr, done.stdout + done.stderr
+    assert not (tmp_path / "configure.log").exists()
+
+
 @pytest.mark.parametrize("script", ["bench_runtime_cuda.py", "bench_moe_experts_cuda.py"])
 def test_a_timing_script_runs_on_run_shs_fallback_path(script, tmp_path):
     """The rerun tests/gpu/run.sh makes of a timing script that failed on the defaults, with every newer
