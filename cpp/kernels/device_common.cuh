@@ -44,6 +44,25 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The full warp's maximum and sum of 32-bit integers: one REDUX instruction on sm_80+ (a chain of
+// five shuffles below it).
+#if defined(MOESPEC_EMULATED) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) { return __reduce_max_sync(kFullMask, v); }
+__device__ __forceinline__ int warp_add(int v) { return __reduce_add_sync(kFullMask, v); }
+#else
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const uint32_t other = __shfl_xor_sync(kFullMask, v, o);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+__device__ __forceinline__ int warp_add(int v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+#endif
+
 // ---- programmatic dependent launch (sm_90+; no-ops below) ---------------------------------------
 // A kernel launched by launch_kernel with pdl may start while the kernel before it on the stream is
 // still running (once every block of that one has called launch_dependents). The rule that keeps

@@ -11,10 +11,12 @@
 // scratch lives in the caller's workspace), so a call can be captured in a CUDA graph:
 //   1. natural_route_kernel  one warp per token: the family's full probability row -> prob [T, N],
 //                            its selection key and the natural top-K -> nat_ids [T, K]; for the
-//                            budget score "gates" also the natural weights -> nat_w [T, K] and the
+//                            budget score "gates" also the natural weights by expert -> gates
+//                            [T, N] (0 where the token did not choose the expert) and the
 //                            token's first choice -> first [T]
-//   2. budget_set_kernel     one block: natural union, budget scores, the order of the experts by
-//                            rank, the coverage prefix, B_eff, whether the cap binds, the set S;
+//   2. budget_set_kernel     one block: natural union, budget scores (a row of prob or gates a
+//                            token), the order of the experts by rank (counted where N <= 256,
+//                            else a bitonic sort), the coverage prefix, B_eff, whether the cap binds, the set S;
 //                            also zeroes the accumulators of steps 3 and 4
 //   3. final_route_kernel    one warp per token: final ids (unchanged / substitution /
 //                            truncation), the family's weights, re-routed and dropped counts, the
@@ -77,6 +79,84 @@ struct BudgetShared {
   double total;
 };
 
+// An expert's rank is (first choice desc, score desc, id asc). Up to kCountedRankMax experts it is
+// counted (N^2 / threads comparisons a thread, three barriers); beyond, a bitonic sort (log2(N)^2 / 2
+// barrier-separated steps: 28 at N = 128, most of the budget step's time before the count).
+constexpr int kCountedRankMax = 256;
+
+// The order-preserving bits of a score (-0 as +0): a total order even for a NaN, which a non-finite
+// input can put in a score (reported by the stats), so that the ranks stay a permutation.
+__device__ __forceinline__ uint64_t score_bits(double v) {
+  if (v == 0.0) v = 0.0;
+  const uint64_t u = static_cast<uint64_t>(__double_as_longlong(v));
+  return (u >> 63) ? ~u : (u | (uint64_t{1} << 63));
+}
+
+// The whole block, threads >= N (both callers): each of N experts counts the experts ranked before
+// it, threads / N threads an expert over every (threads / N)-th other (a warp's lanes read the same
+// entry: broadcasts); then s_order[rank] = e and s_key[rank] = its score.
+__device__ void rank_by_counting(int N, const int32_t* s_mark, const double* s_score, double* s_key,
+                                 int32_t* s_order) {
+  const int tid = static_cast<int>(threadIdx.x), parts = static_cast<int>(blockDim.x) / N;
+  for (int e = tid; e < N; e += static_cast<int>(blockDim.x)) {
+    s_key[e] = __longlong_as_double(static_cast<long long>(score_bits(s_score[e])));  // (bits, for the count)
+    s_order[e] = 0;  // (the rank, as it is counted)
+  }
+  __syncthreads();
+  if (tid < parts * N) {
+    const int e = tid % N;
+    const int32_t fe = s_mark[e];
+    const uint64_t ke = static_cast<uint64_t>(__double_as_longlong(s_key[e]));
+    int before = 0;
+    for (int j = tid / N; j < N; j += parts) {
+      const int32_t fj = s_mark[j];
+      const uint64_t kj = static_cast<uint64_t>(__double_as_longlong(s_key[j]));
+      before += fj > fe || (fj == fe && (kj > ke || (kj == ke && j < e))) ? 1 : 0;
+    }
+    atomicAdd(&s_order[e], before);  // (integers: the same count in any order)
+  }
+  __syncthreads();
+  const int rank = tid < N ? s_order[tid] : 0;
+  __syncthreads();
+  if (tid < N) {
+    s_order[rank] = tid;
+    s_key[rank] = s_score[tid];
+  }
+  __syncthreads();
+}
+
+// The whole block: a bitonic sort of the padded (power of two) entries by rank; padding (ids >= N,
+// first-choice mark 0, score -1) sorts after the scores, which are >= 0.
+__device__ void rank_by_bitonic_sort(int N, int padded, const int32_t* s_mark, const double* s_score, double* s_key,
+                                     int32_t* s_order) {
+  const int tid = static_cast<int>(threadIdx.x), threads = static_cast<int>(blockDim.x);
+  for (int i = tid; i < padded; i += threads) {
+    s_key[i] = i < N ? s_score[i] : -1.0;
+    s_order[i] = i;
+  }
+  __syncthreads();
+  for (int size = 2; size <= padded; size *= 2) {
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      for (int i = tid; i < padded; i += threads) {
+        const int j = i ^ stride;
+        if (j <= i) continue;
+        const double ki = s_key[i], kj = s_key[j];
+        const int32_t oi = s_order[i], oj = s_order[j];
+        const int32_t fi = s_mark[oi], fj = s_mark[oj];
+        const bool j_first = fj > fi || (fj == fi && (kj > ki || (kj == ki && oj < oi)));
+        const bool i_first = fi > fj || (fi == fj && (ki > kj || (ki == kj && oi < oj)));
+        if ((i & size) == 0 ? j_first : i_first) {
+          s_key[i] = kj;
+          s_key[j] = ki;
+          s_order[i] = oj;
+          s_order[j] = oi;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
 // The whole block (at least max(N, 64) threads); returns uniformly.
 template <int kCap>
 __device__ void budget_set_block(const Params& p, BudgetShared<kCap>& sh) {
@@ -115,56 +195,32 @@ __device__ void budget_set_block(const Params& p, BudgetShared<kCap>& sh) {
   }
 
   // s_e = sum over t in order of w_t * p_te (score "gates": w_t * the token's natural weight on e,
-  // no term where e is not among its top-K), in double (the _rn intrinsics are never fused; the
-  // product of two floats is exact in double anyway).
+  // 0 where e is not among its top-K: adding w_t * 0 = +0 leaves the sum's bits as the CPU's, which
+  // has no such term), in double (the _rn intrinsics are never fused; the product of two floats is
+  // exact in double anyway).
   const bool gates = p.score == BudgetScore::kGates;
   if (tid < N) {
     double acc = 0.0;
-    const float* prob = p.ws.prob + tid;
+    const float* row = (gates ? p.ws.gates : p.ws.prob) + tid;
     for (int64_t t = 0; t < p.T; ++t) {
       const double wt = p.token_weights ? static_cast<double>(p.token_weights[t]) : 1.0;
-      if (!gates) {
-        acc = __dadd_rn(acc, __dmul_rn(wt, static_cast<double>(prob[t * N])));
-        continue;
-      }
-      for (int j = 0; j < K; ++j)
-        if (p.ws.nat_ids[t * K + j] == tid) acc = __dadd_rn(acc, __dmul_rn(wt, static_cast<double>(p.ws.nat_w[t * K + j])));
+      acc = __dadd_rn(acc, __dmul_rn(wt, static_cast<double>(row[t * N])));
     }
     s_score[tid] = acc;
   }
+  // s_mark becomes the first-choice marks (all 0 for score "probability"), padding included; then
+  // the experts sorted by rank go to s_order, their scores to s_key.
   int padded = 2;
   while (padded < N) padded *= 2;
-  // s_mark becomes the first-choice marks (all 0 for score "probability"), padding included.
   for (int i = tid; i < padded; i += threads) s_mark[i] = 0;
   __syncthreads();
   if (gates)
     for (int64_t t = tid; t < p.T; t += threads)
       if (p.ws.first[t] >= 0) s_mark[p.ws.first[t]] = 1;
-  for (int i = tid; i < padded; i += threads) {
-    s_key[i] = i < N ? s_score[i] : -1.0;  // scores are >= 0: padding sorts last
-    s_order[i] = i;
-  }
-  __syncthreads();
-  for (int size = 2; size <= padded; size *= 2) {
-    for (int stride = size / 2; stride > 0; stride /= 2) {
-      for (int i = tid; i < padded; i += threads) {
-        const int j = i ^ stride;
-        if (j <= i) continue;
-        const double ki = s_key[i], kj = s_key[j];
-        const int32_t oi = s_order[i], oj = s_order[j];
-        const int32_t fi = s_mark[oi], fj = s_mark[oj];  // the rank: (first desc, score desc, id asc)
-        const bool j_first = fj > fi || (fj == fi && (kj > ki || (kj == ki && oj < oi)));
-        const bool i_first = fi > fj || (fi == fj && (ki > kj || (ki == kj && oi < oj)));
-        if ((i & size) == 0 ? j_first : i_first) {
-          s_key[i] = kj;
-          s_key[j] = ki;
-          s_order[i] = oj;
-          s_order[j] = oi;
-        }
-      }
-      __syncthreads();
-    }
-  }
+  if (N <= kCountedRankMax)
+    rank_by_counting(N, s_mark, s_score, s_key, s_order);
+  else
+    rank_by_bitonic_sort(N, padded, s_mark, s_score, s_key, s_order);
 
   if (coverage) {
     // total in id order and the running sums in score order, both sequential as on the CPU
@@ -246,7 +302,7 @@ __device__ void active_block(const Params& p) {
   __syncthreads();
   int bad = 0;
   for (int64_t t = e; t < p.T; t += blockDim.x) bad += p.ws.bad[t];
-  bad = warp_sum(bad);
+  bad = device::warp_add(bad);
   if (lane == 0 && bad != 0) atomicAdd(&s_bad, bad);
   __syncthreads();
   if (e == 0) p.ws.counters[kNonFinite] = s_bad;
@@ -307,7 +363,7 @@ constexpr std::size_t align_up(std::size_t bytes) { return (bytes + kAlign - 1) 
 
 // Byte offsets of the workspace sections; `total` is the size route_experts_workspace_size reports.
 struct Layout {
-  std::size_t counters, in_set, used, nat_ids, prob, bad, nat_w, first, total;
+  std::size_t counters, in_set, used, nat_ids, prob, bad, gates, first, total;
   Layout(int64_t T, int64_t N, int64_t K) {
     const std::size_t t = static_cast<std::size_t>(T), n = static_cast<std::size_t>(N),
                       k = static_cast<std::size_t>(K);
@@ -317,8 +373,8 @@ struct Layout {
     nat_ids = used + align_up(sizeof(int32_t) * n);
     prob = nat_ids + align_up(sizeof(int32_t) * t * k);
     bad = prob + align_up(sizeof(float) * t * n);
-    nat_w = bad + align_up(sizeof(int32_t) * t);
-    first = nat_w + align_up(sizeof(float) * t * k);
+    gates = bad + align_up(sizeof(int32_t) * t);
+    first = gates + align_up(sizeof(float) * t * n);
     total = first + align_up(sizeof(int32_t) * t);
   }
 };
@@ -389,7 +445,7 @@ void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t wo
   p.ws.nat_ids = reinterpret_cast<int32_t*>(base + layout.nat_ids);
   p.ws.prob = reinterpret_cast<float*>(base + layout.prob);
   p.ws.bad = reinterpret_cast<int32_t*>(base + layout.bad);
-  p.ws.nat_w = reinterpret_cast<float*>(base + layout.nat_w);
+  p.ws.gates = reinterpret_cast<float*>(base + layout.gates);
   p.ws.first = reinterpret_cast<int32_t*>(base + layout.first);
 
   DeviceGuard guard(args.router_logits.device_index);

@@ -44,7 +44,7 @@ struct Workspace {
   int32_t* nat_ids;   // [T, K] natural top-K
   float* prob;        // [T, N] the family's full probability (softmax, or sigmoid for deepseek_v3)
   int32_t* bad;       // [T] 1 for a token with a non-finite input (step 1)
-  float* nat_w;       // [T, K] natural weights (score "gates" only)
+  float* gates;       // [T, N] natural weights by expert, 0 where not chosen (score "gates" only)
   int32_t* first;     // [T] the token's first choice, -1 for a token of weight 0 (score "gates" only)
 };
 
@@ -101,17 +101,13 @@ __device__ __forceinline__ uint64_t topk_key(float v, int e) {
   return (static_cast<uint64_t>(ordered) << 32) | (kIdComplement - static_cast<uint32_t>(e));
 }
 
+// The warp's largest key: the largest high half, then the largest low half among the lanes holding
+// it (two REDUX instructions on sm_80+, where ten shuffles in a chain took most of a top-K round).
 __device__ __forceinline__ uint64_t warp_max(uint64_t v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    const uint64_t other = __shfl_xor_sync(kFullMask, v, offset);
-    v = other > v ? other : v;
-  }
-  return v;
-}
-
-__device__ __forceinline__ int warp_sum(int v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
+  const uint32_t hi = static_cast<uint32_t>(v >> 32);
+  const uint32_t top = device::warp_max_u32(hi);
+  const uint32_t low = device::warp_max_u32(hi == top ? static_cast<uint32_t>(v) : 0u);
+  return (static_cast<uint64_t>(top) << 32) | low;
 }
 
 // The best not-yet-taken entry among this lane's experts e = lane + 32 j (bit j of `taken`).
@@ -269,9 +265,10 @@ __device__ void finish_weights(const Params& p, const int32_t* ids, float* w) {
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
-// Score "gates": token t's natural weights (nat_w) and first choice (first: the slot of largest
-// weight, ties the lower id; -1 for a token of weight 0), as route_experts.cc score_experts. Lane 0,
-// after warp_topk has written nat_ids (the same thread) and the warp's prob row is in memory.
+// Score "gates": token t's natural weights (into its gates row, zeroed by the warp before) and first
+// choice (first: the slot of largest weight, ties the lower id; -1 for a token of weight 0), as
+// route_experts.cc score_experts. Lane 0, after warp_topk has written nat_ids (the same thread) and
+// the warp's prob row is in memory.
 __device__ void natural_gates(const Params& p, int64_t t) {
   const int K = p.K;
   const int32_t* nat = p.ws.nat_ids + t * K;
@@ -281,7 +278,7 @@ __device__ void natural_gates(const Params& p, int64_t t) {
   finish_weights(p, nat, w);
   int best = 0;
   for (int j = 0; j < K; ++j) {
-    p.ws.nat_w[t * K + j] = w[j];
+    if (nat[j] >= 0 && nat[j] < p.N) p.ws.gates[t * p.N + nat[j]] = w[j];
     if (w[j] > w[best] || (w[j] == w[best] && nat[j] < nat[best])) best = j;
   }
   const bool weighted = p.token_weights == nullptr || p.token_weights[t] > 0.0f;
@@ -326,7 +323,8 @@ __device__ void natural_route_token(const Params& p, int64_t t, float* x, float*
   }
   warp_topk(key, N, p.K, p.ws.nat_ids + t * p.K, lane);
   if (p.score == BudgetScore::kGates && p.max_experts > 0) {  // (warp-uniform)
-    __syncwarp();  // every lane's prob row entries are visible to lane 0
+    for (int e = lane; e < N; e += kWarp) p.ws.gates[t * N + e] = 0.0f;
+    __syncwarp();  // every lane's prob row entries and zeros are visible to lane 0
     if (lane == 0) natural_gates(p, t);
   }
 }
@@ -350,7 +348,7 @@ __device__ void final_route_token(const Params& p, int64_t t, float* key, int32_
       outside += keep ? 0 : 1;
       if (truncation) ids[j] = keep ? e : N;
     }
-    outside = warp_sum(outside);  // warp-uniform from here
+    outside = device::warp_add(outside);  // warp-uniform from here
     if (truncation) {
       if (lane == 0 && outside > 0) atomicAdd(&p.ws.counters[kDropped], outside);
     } else if (outside == 0) {
@@ -372,7 +370,7 @@ __device__ void final_route_token(const Params& p, int64_t t, float* key, int32_
         for (int i = 0; i < K; ++i) natural = natural || nat[i] == ids[j];
         fresh += natural ? 0 : 1;
       }
-      fresh = warp_sum(fresh);
+      fresh = device::warp_add(fresh);
       if (lane == 0 && fresh > 0) atomicAdd(&p.ws.counters[kRerouted], fresh);
     }
   }

@@ -176,6 +176,27 @@ def test_ties_take_the_lower_id_first(family, dtype):
         assert not bool(tied_lower.any()), "a tied expert with a lower id was passed over"
 
 
+@pytest.mark.parametrize("score", ["probability", "gates"])
+@pytest.mark.parametrize("N", [8, 256, 512], ids=lambda n: f"N{n}")  # ranks counted up to 256, sorted beyond
+def test_tied_budget_scores_admit_the_lower_id(N, score):
+    """Experts lo < hi whose budget scores (and first-choice marks) tie exactly, ahead of the rest: a
+    budget of one admits lo, as the CPU's stable order does, and every token routes to it."""
+    lo, mid, hi = 2, N // 2, N - 3
+    if score == "gates":  # two tokens mirror each other: each chooses one of lo, hi with weight 1
+        logits = torch.full((2, N), -4.0)  # [T, N]
+        logits[0, lo], logits[0, hi], logits[1, lo], logits[1, hi] = 3.0, 1.0, 1.0, 3.0
+    else:  # two equal rows tie lo and hi (the same values summed in the same order); a third chooses mid
+        logits = torch.full((3, N), -4.0)
+        logits[:2, lo], logits[:2, hi] = 3.0, 3.0
+        logits[2] = 0.0
+        logits[2, mid] = 1.0
+    spec = RouterSpec("softmax", 1, True)
+    for budget in (ExpertBudget(1, score=score), ExpertBudget(1, "truncation", score=score)):
+        got, want = check(logits, spec, budget, where=f"N={N} {budget}")
+        assert set(want.active_padded.tolist()) - {N} == {lo}, "the CPU's set is not the lower id"
+        assert got.stats_tensor.tolist()[:2] == [2, 1]
+
+
 def test_zero_tokens():
     spec = RouterSpec("softmax", 4, True)
     logits = torch.empty(0, 64)

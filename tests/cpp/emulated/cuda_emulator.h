@@ -527,6 +527,29 @@ inline unsigned vote(unsigned mask, uint64_t in, void (*run)(void**, unsigned, u
   return v.out;
 }
 
+struct Reduce {  // __reduce_*_sync: in, out = the reduction over the mask's lanes
+  uint32_t in, out;
+};
+template <typename Op>
+void run_reduce(void** data, unsigned, unsigned) {
+  const Reduce* first = nullptr;
+  uint32_t r = 0;
+  for (unsigned l = 0; l < 32; ++l) {
+    if (!data[l]) continue;
+    const auto* x = static_cast<Reduce*>(data[l]);
+    r = first ? Op{}(r, x->in) : x->in;
+    first = first ? first : x;
+  }
+  for (unsigned l = 0; l < 32; ++l)
+    if (data[l]) static_cast<Reduce*>(data[l])->out = r;
+}
+template <typename Op>
+uint32_t reduce(unsigned mask, uint32_t in) {
+  Reduce r{in, 0u};
+  Block::self()->warp_wait(mask, &r, &run_reduce<Op>);
+  return r.out;
+}
+
 struct Count {  // __syncthreads_count / _and / _or: in, out = how many threads had in != 0
   int in, out;
 };

@@ -88,6 +88,18 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
 inline unsigned __ballot_sync(unsigned mask, int p) { return ::emu::vote(mask, p != 0, &::emu::run_ballot); }
 inline int __any_sync(unsigned mask, int p) { return __ballot_sync(mask, p) != 0; }
 inline int __all_sync(unsigned mask, int p) { return __ballot_sync(mask, p) == mask; }
+// __reduce_*_sync (sm_80+, one instruction on a GPU): the unsigned maximum and the (wrapping) sum.
+struct EmuMaxU32 {
+  uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; }
+};
+struct EmuAdd32 {
+  uint32_t operator()(uint32_t a, uint32_t b) const { return a + b; }
+};
+inline unsigned __reduce_max_sync(unsigned mask, unsigned v) { return ::emu::reduce<EmuMaxU32>(mask, v); }
+inline unsigned __reduce_add_sync(unsigned mask, unsigned v) { return ::emu::reduce<EmuAdd32>(mask, v); }
+inline int __reduce_add_sync(unsigned mask, int v) {
+  return static_cast<int>(::emu::reduce<EmuAdd32>(mask, static_cast<uint32_t>(v)));
+}
 template <typename T>
 unsigned __match_any_sync(unsigned mask, T v) {
   return ::emu::vote(mask, ::emu::to_bits(v), &::emu::run_match);
@@ -136,6 +148,8 @@ inline float __uint_as_float(unsigned u) { return ::emu::from_bits<float>(u); }
 inline unsigned __float_as_uint(float f) { return static_cast<unsigned>(::emu::to_bits(f)); }
 inline float __int_as_float(int i) { return ::emu::from_bits<float>(static_cast<uint32_t>(i)); }
 inline int __float_as_int(float f) { return static_cast<int>(::emu::to_bits(f)); }
+inline long long __double_as_longlong(double d) { return static_cast<long long>(::emu::to_bits(d)); }
+inline double __longlong_as_double(long long i) { return ::emu::from_bits<double>(static_cast<uint64_t>(i)); }
 // Round-to-nearest arithmetic: the host's IEEE operations (the emulated build has no multiply-add
 // contraction, so these round as the named intrinsics do).
 inline double __dadd_rn(double a, double b) { return a + b; }
