@@ -59,7 +59,7 @@ namespace {
 __global__ void __launch_bounds__(kTokenThreads) natural_route_kernel(Params p) {
   __shared__ float s_x[kWarpsPerBlock][kMaxExperts];        // logits
   __shared__ float s_y[kWarpsPerBlock][kMaxExperts];        // probability, or the selection key
-  __shared__ float s_group[kWarpsPerBlock][kMaxExperts / 2];  // deepseek_v3 group scores
+  __shared__ float s_group[kWarpsPerBlock][kMaxExperts / 2];  // deepseek_v3 group scores; natural weights
   const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (t >= p.T) return;  // whole warps; this kernel has no block-wide barrier
@@ -324,7 +324,7 @@ static_assert(2 * kMaxTopK <= kFusedMaxExperts / 2, "a token's final ids and wei
 __global__ void __launch_bounds__(kFusedThreads) fused_route_kernel(Params p) {
   __shared__ float s_x[kFusedWarps][kFusedMaxExperts];
   __shared__ float s_y[kFusedWarps][kFusedMaxExperts];
-  __shared__ float s_group[kFusedWarps][kFusedMaxExperts / 2];  // group scores; then final ids, weights
+  __shared__ float s_group[kFusedWarps][kFusedMaxExperts / 2];  // group scores, natural weights; final ids, weights
   __shared__ BudgetShared<kFusedMaxExperts> sh;
   device::wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
   device::launch_dependents();

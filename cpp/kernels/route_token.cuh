@@ -205,17 +205,8 @@ __device__ void softmax_reduced(float* x, int n, int width, DType dtype) {
   float m = x[0];
   for (int i = 1; i < n; ++i) m = x[i] > m ? x[i] : m;
   const int vec = n - n % width;
-  float sum = 0.0f;
-  if (vec > 0) {
-    float lanes[16] = {};
-    for (int i = 0; i < vec; ++i) {
-      x[i] = detail::exp_ref(x[i] - m);
-      lanes[i % width] = __fadd_rn(lanes[i % width], x[i]);  // never fused with exp_ref's last multiply
-    }
-    for (int half = width / 2; half >= 1; half /= 2)
-      for (int l = 0; l < half; ++l) lanes[l] += lanes[l + half];
-    sum = lanes[0];
-  }
+  for (int i = 0; i < vec; ++i) x[i] = detail::exp_ref(x[i] - m);
+  float sum = vec > 0 ? detail::lane_tree_sum(x, vec, width) : 0.0f;
   for (int i = vec; i < n; ++i) {
     x[i] = expf_libm(x[i] - m);
     sum += x[i];
@@ -268,12 +259,11 @@ __device__ void finish_weights(const Params& p, const int32_t* ids, float* w) {
 // Score "gates": token t's natural weights (into its gates row, zeroed by the warp before) and first
 // choice (first: the slot of largest weight, ties the lower id; -1 for a token of weight 0), as
 // route_experts.cc score_experts. Lane 0, after warp_topk has written nat_ids (the same thread) and
-// the warp's prob row is in memory.
-__device__ void natural_gates(const Params& p, int64_t t) {
+// the warp's prob row is in memory; w is the warp's shared scratch of K floats.
+__device__ void natural_gates(const Params& p, int64_t t, float* w) {
   const int K = p.K;
   const int32_t* nat = p.ws.nat_ids + t * K;
   const float* prob = p.ws.prob + t * p.N;
-  float w[kMaxTopK];
   for (int j = 0; j < K; ++j) w[j] = p.family == RouterFamily::kGptOss ? load_logit(p, t, nat[j]) : prob[nat[j]];
   finish_weights(p, nat, w);
   int best = 0;
@@ -286,7 +276,7 @@ __device__ void natural_gates(const Params& p, int64_t t) {
 }
 
 // 1. One warp per token: prob row, selection key, natural top-K.
-// Token t by one warp; x, y (N floats) and group (N / 2) are the warp's shared scratch.
+// Token t by one warp; x, y (N floats) and group (N / 2 floats, at least kMaxTopK) are the warp's shared scratch.
 __device__ void natural_route_token(const Params& p, int64_t t, float* x, float* y, float* group, int lane) {
   const int N = p.N;
   float* prob = p.ws.prob + t * N;
@@ -325,7 +315,7 @@ __device__ void natural_route_token(const Params& p, int64_t t, float* x, float*
   if (p.score == BudgetScore::kGates && p.max_experts > 0) {  // (warp-uniform)
     for (int e = lane; e < N; e += kWarp) p.ws.gates[t * N + e] = 0.0f;
     __syncwarp();  // every lane's prob row entries and zeros are visible to lane 0
-    if (lane == 0) natural_gates(p, t);
+    if (lane == 0) natural_gates(p, t, group);  // (the group scores are spent: group is K floats of scratch)
   }
 }
 

@@ -110,19 +110,39 @@ MOESPEC_HD float exp_ref(float d) {
 
 MOESPEC_HD float sigmoid_ref(float x) { return 1.0f / (1.0f + exp_ref(-x)); }
 
+// a + b rounded on its own: never contracted with a multiply that produced a or b (on the device an
+// fma would round exp_ref's scaling once instead of twice where it is subnormal).
+MOESPEC_HD float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// Sum of n >= W values with W lanes: lane l accumulates x[l], x[l + W], ... in order, then the lanes
+// pairwise as a tree. Every index is a constant once the loops are unrolled, so on the device the
+// lanes stay in registers.
+template <int W>
+MOESPEC_HD float lane_tree_sum_w(const float* x, int n) {
+  float lanes[W];
+  for (int l = 0; l < W; ++l) lanes[l] = x[l];
+  for (int i = W; i < n; i += W)
+    for (int l = 0; l < W; ++l)
+      if (i + l < n) lanes[l] = add_rn(lanes[l], x[i + l]);
+  for (int half = W / 2; half >= 1; half /= 2)
+    for (int l = 0; l < half; ++l) lanes[l] = add_rn(lanes[l], lanes[l + half]);
+  return lanes[0];
+}
+
 // Sum of n >= 1 values in PyTorch's vector-reduction order with `width` lanes (8 or 16).
-// lanes[] must hold `width` floats of scratch.
-MOESPEC_HD float lane_tree_sum(const float* x, int n, int width, float* lanes) {
+MOESPEC_HD float lane_tree_sum(const float* x, int n, int width) {
   if (n < width) {
     float acc = x[0];
-    for (int i = 1; i < n; ++i) acc += x[i];
+    for (int i = 1; i < n; ++i) acc = add_rn(acc, x[i]);
     return acc;
   }
-  for (int l = 0; l < width; ++l) lanes[l] = x[l];
-  for (int i = width; i < n; ++i) lanes[i % width] += x[i];
-  for (int half = width / 2; half >= 1; half /= 2)
-    for (int l = 0; l < half; ++l) lanes[l] += lanes[l + half];
-  return lanes[0];
+  return width == 16 ? lane_tree_sum_w<16>(x, n) : lane_tree_sum_w<8>(x, n);
 }
 
 // y = softmax(x) over n >= 1 finite-or--inf values (at least one finite), torch's order.
@@ -130,8 +150,7 @@ MOESPEC_HD void softmax_ref(const float* x, float* y, int n, int width) {
   float m = x[0];
   for (int i = 1; i < n; ++i) m = x[i] > m ? x[i] : m;
   for (int i = 0; i < n; ++i) y[i] = exp_ref(x[i] - m);
-  float lanes[16];
-  const float r = 1.0f / lane_tree_sum(y, n, width, lanes);
+  const float r = 1.0f / lane_tree_sum(y, n, width);
   for (int i = 0; i < n; ++i) y[i] *= r;
 }
 
