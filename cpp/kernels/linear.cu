@@ -17,9 +17,11 @@
 // chunks against all T tokens (kTiles n-tiles of 8 a pass, passes beyond 64 tokens), the warps'
 // partial sums added in warp order: per element one fixed order of operations that does not depend
 // on the other tokens (batch-invariant) or on the launch (deterministic). Before it waits for the
-// previous kernel (griddepcontrol.wait), a block prefetches the start of its weight rows into L2:
-// the weights are constant, so a projection's first bytes stream while the kernel before it (the
-// norm) finishes.
+// previous kernel (griddepcontrol.wait), a block prefetches its weight rows into L2, all of them where
+// the grid's rows come to at most kPrefetchTotal (the router, a small o projection: they then stream
+// from L2 once the wait returns) and else their first kPrefetchTotal / blocks bytes, at least
+// kPrefetchBytes (L2 holds 50 MB on an H200): the weights are constant, so a projection's bytes stream
+// while the kernel before it (the norm, the attention's combine) finishes.
 //
 // Dimensions: T tokens, K input features, N output features.
 #include <cuda_bf16.h>
@@ -39,7 +41,8 @@ namespace {
 
 using namespace device;  // kWarp, the tensor-core blocks (moe_mma.cuh), launch_kernel
 
-constexpr int64_t kPrefetchBytes = 32 << 10;  // of a block's weight rows, before its wait
+constexpr int64_t kPrefetchBytes = 32 << 10;  // of a block's weight rows, before its wait: at least
+constexpr int64_t kPrefetchTotal = 16 << 20;  // and the grid's share of this much (or all its rows)
 constexpr int64_t kWideBelowBlocks = 512;     // grids of fewer blocks take 8 warps a block (bytes in flight)
 
 struct LinearParams {
@@ -58,7 +61,8 @@ __global__ void __launch_bounds__(kWarpsK * kWarp) linear_kernel(LinearParams p)
   const int nrows = p.N - r0 < 16 ? static_cast<int>(p.N - r0) : 16;
   const __nv_bfloat16* const w[1] = {p.weight + r0 * p.K};
   const char* bytes = reinterpret_cast<const char*>(w[0]);
-  const int64_t mine = 2 * nrows * p.K, ahead = mine < kPrefetchBytes ? mine : kPrefetchBytes;
+  const int64_t share = kPrefetchTotal / gridDim.x > kPrefetchBytes ? kPrefetchTotal / gridDim.x : kPrefetchBytes;
+  const int64_t mine = 2 * nrows * p.K, ahead = mine < share ? mine : share;
   for (int64_t b = static_cast<int64_t>(threadIdx.x) * 128; b < ahead; b += static_cast<int64_t>(blockDim.x) * 128)
     prefetch_l2(bytes + b);
   wait_for_primary();  // x is the previous kernel's output; out may still be read by it
