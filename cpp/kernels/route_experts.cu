@@ -84,6 +84,12 @@ struct BudgetShared {
 // barrier-separated steps: 28 at N = 128, most of the budget step's time before the count).
 constexpr int kCountedRankMax = 256;
 
+// Whether expert a ranks before expert b, given their first-choice marks f and score keys k.
+template <typename Key>
+__device__ __forceinline__ bool ranks_before(int32_t fa, Key ka, int32_t a, int32_t fb, Key kb, int32_t b) {
+  return fa > fb || (fa == fb && (ka > kb || (ka == kb && a < b)));
+}
+
 // The order-preserving bits of a score (-0 as +0): a total order even for a NaN, which a non-finite
 // input can put in a score (reported by the stats), so that the ranks stay a permutation.
 __device__ __forceinline__ uint64_t score_bits(double v) {
@@ -111,7 +117,7 @@ __device__ void rank_by_counting(int N, const int32_t* s_mark, const double* s_s
     for (int j = tid / N; j < N; j += parts) {
       const int32_t fj = s_mark[j];
       const uint64_t kj = static_cast<uint64_t>(__double_as_longlong(s_key[j]));
-      before += fj > fe || (fj == fe && (kj > ke || (kj == ke && j < e))) ? 1 : 0;
+      before += ranks_before(fj, kj, j, fe, ke, e) ? 1 : 0;
     }
     atomicAdd(&s_order[e], before);  // (integers: the same count in any order)
   }
@@ -143,9 +149,7 @@ __device__ void rank_by_bitonic_sort(int N, int padded, const int32_t* s_mark, c
         const double ki = s_key[i], kj = s_key[j];
         const int32_t oi = s_order[i], oj = s_order[j];
         const int32_t fi = s_mark[oi], fj = s_mark[oj];
-        const bool j_first = fj > fi || (fj == fi && (kj > ki || (kj == ki && oj < oi)));
-        const bool i_first = fi > fj || (fi == fj && (ki > kj || (ki == kj && oi < oj)));
-        if ((i & size) == 0 ? j_first : i_first) {
+        if ((i & size) == 0 ? ranks_before(fj, kj, oj, fi, ki, oi) : ranks_before(fi, ki, oi, fj, kj, oj)) {
           s_key[i] = kj;
           s_key[j] = ki;
           s_order[i] = oj;
