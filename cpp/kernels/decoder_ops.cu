@@ -90,9 +90,9 @@ __device__ __forceinline__ float norm_scale(float h, float weight, bool scale_fp
 template <typename T>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual,
                                                             const T* __restrict__ weight, T* __restrict__ out,
-                                                            T* __restrict__ sum, int H, float eps, bool scale_fp32) {
-  wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
-  launch_dependents();
+                                                            T* __restrict__ sum, int H, float eps, bool scale_fp32,
+                                                            bool early) {
+  release_and_wait(early);  // (launched as a programmatic dependent: device_common.cuh)
   MOESPEC_DYNAMIC_SHARED(float, row);  // [H]
   __shared__ float red[kWarp];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * H;
@@ -129,9 +129,8 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_inputs_kernel(
     const T* __restrict__ qkv, const T* __restrict__ q_norm, const T* __restrict__ k_norm, const T* __restrict__ cos,
     const T* __restrict__ sin, T* __restrict__ k_cache, T* __restrict__ v_cache, const int64_t* __restrict__ rows,
-    const int64_t* __restrict__ slots, T* __restrict__ q, InputsShape s) {
-  wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
-  launch_dependents();
+    const int64_t* __restrict__ slots, T* __restrict__ q, InputsShape s, bool early) {
+  release_and_wait(early);  // (launched as a programmatic dependent: device_common.cuh)
   MOESPEC_DYNAMIC_SHARED(float, qk);  // [(Hq + Hkv) D]: q then k, clipped and normed
   __shared__ float red[kWarp];
   const int D = s.D, QD = s.Hq * D, QK = (s.Hq + s.Hkv) * D;
@@ -213,9 +212,8 @@ __global__ void __launch_bounds__(kThreads, kTreeBlocksPerSm) tree_attention_ker
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int64_t* __restrict__ start, const int64_t* __restrict__ offsets, const int32_t* __restrict__ groups,
     const int64_t* __restrict__ spans, const int32_t* __restrict__ mask, const int64_t* __restrict__ positions, const void* __restrict__ sinks,
-    T* __restrict__ out, float* __restrict__ partial, TreeShape s) {
-  wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
-  launch_dependents();
+    T* __restrict__ out, float* __restrict__ partial, TreeShape s, bool early) {
+  release_and_wait(early);  // (launched as a programmatic dependent: device_common.cuh)
   constexpr int kPerWord = 4 / sizeof(T);  // elements in a 32-bit word
   MOESPEC_DYNAMIC_SHARED(uint32_t, smem);
   __shared__ int64_t new_pos[kMaxTreeTokens];  // (a window) the new slots' positions
@@ -348,9 +346,8 @@ __global__ void __launch_bounds__(kThreads, kTreeBlocksPerSm) tree_attention_ker
 // in the denominator).
 template <typename T>
 __global__ void combine_kernel(const float* __restrict__ partial, const void* __restrict__ sinks, T* __restrict__ out,
-                               int splits, int D, int Hq, bool sinks_f32) {
-  wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
-  launch_dependents();
+                               int splits, int D, int Hq, bool sinks_f32, bool early) {
+  release_and_wait(early);  // (launched as a programmatic dependent: device_common.cuh)
   const float* part = partial + static_cast<int64_t>(blockIdx.x) * splits * (D + 2);
   const float sink = sink_logit<T>(sinks, sinks_f32, static_cast<int>(blockIdx.x % Hq));
   float top = sink;
@@ -388,10 +385,11 @@ const T* data(const TensorView& t) {
 template <typename T>
 void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
   const int64_t P = a.x.shape[0], H = a.x.shape[1];
-  check_launch("rms_norm", launch_kernel(pdl_allowed(), rms_norm_kernel<T>, dim3(static_cast<unsigned>(P)),
-                                        dim3(kThreads), H * sizeof(float), stream, data<T>(a.x), data<T>(a.residual),
+  const Pdl pdl = pdl_launch();
+  check_launch("rms_norm", launch_kernel(pdl, rms_norm_kernel<T>, dim3(static_cast<unsigned>(P)), dim3(kThreads),
+                                        H * sizeof(float), stream, data<T>(a.x), data<T>(a.residual),
                                         data<T>(a.weight), a.out.ptr<T>(), a.sum.defined() ? a.sum.ptr<T>() : nullptr,
-                                        static_cast<int>(H), a.eps, a.scale_fp32));
+                                        static_cast<int>(H), a.eps, a.scale_fp32, pdl.early));
 }
 
 template <typename T>
@@ -400,11 +398,12 @@ void launch_attention_inputs(const AttentionInputsArgs& a, cudaStream_t stream) 
                       static_cast<int>(a.k_cache.shape[3]), static_cast<int>(a.k_cache.shape[0]), a.k_cache.shape[2],
                       a.qk_norm, a.eps, a.clip};
   const std::size_t shared = static_cast<std::size_t>((s.Hq + s.Hkv) * s.D) * sizeof(float);
+  const Pdl pdl = pdl_launch();
   check_launch("attention_inputs",
-               launch_kernel(pdl_allowed(), attention_inputs_kernel<T>, dim3(static_cast<unsigned>(a.qkv.shape[0])),
+               launch_kernel(pdl, attention_inputs_kernel<T>, dim3(static_cast<unsigned>(a.qkv.shape[0])),
                              dim3(kThreads), shared, stream, data<T>(a.qkv), data<T>(a.q_norm), data<T>(a.k_norm),
                              data<T>(a.cos), data<T>(a.sin), a.k_cache.ptr<T>(), a.v_cache.ptr<T>(),
-                             data<int64_t>(a.rows), data<int64_t>(a.slots), a.q.ptr<T>(), s));
+                             data<int64_t>(a.rows), data<int64_t>(a.slots), a.q.ptr<T>(), s, pdl.early));
 }
 
 template <typename T>
@@ -420,16 +419,17 @@ void launch_tree_attention(const TreeAttentionArgs& a, float* partial, cudaStrea
   const std::size_t shared = (2 * chunk * (words + 1)) * sizeof(uint32_t) + kWarpsPerBlock * D * sizeof(float);
   const dim3 grid(s.splits, static_cast<unsigned>(Hq), static_cast<unsigned>(G));
   auto kernel = chunk == 64 ? tree_attention_kernel<T, 64> : tree_attention_kernel<T, 32>;
-  const bool pdl = pdl_allowed();
+  const Pdl pdl = pdl_launch();
   check_launch("tree_attention",
                launch_kernel(pdl, kernel, grid, dim3(kThreads), shared, stream, data<T>(a.q), data<T>(a.k_cache),
                              data<T>(a.v_cache), data<int64_t>(a.start), data<int64_t>(a.offsets),
                              data<int32_t>(a.groups), data<int64_t>(a.spans), data<int32_t>(a.mask),
-                             data<int64_t>(a.positions), sinks, a.out.ptr<T>(), partial, s));
+                             data<int64_t>(a.positions), sinks, a.out.ptr<T>(), partial, s, pdl.early));
   if (s.splits > 1)
     check_launch("tree_attention", launch_kernel(pdl, combine_kernel<T>, dim3(static_cast<unsigned>(P * Hq)), dim3(128),
                                                  0, stream, static_cast<const float*>(partial), sinks, a.out.ptr<T>(),
-                                                 s.splits, static_cast<int>(D), static_cast<int>(Hq), s.sinks_f32));
+                                                 s.splits, static_cast<int>(D), static_cast<int>(Hq), s.sinks_f32,
+                                                 pdl.early));
 }
 
 // launch(element): the op's launches (each checked) for the model dtype's element type (bf16 or fp32).

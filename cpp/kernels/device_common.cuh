@@ -68,10 +68,19 @@ __device__ __forceinline__ int warp_add(int v) {
 // still running (once every block of that one has called launch_dependents). The rule that keeps
 // this safe, kept by every such kernel: each block calls wait_for_primary() before its first global
 // memory access that depends on earlier work (reads its outputs, or writes what it may still read)
-// and before it exits, so that a kernel's completion implies its primary's, transitively. Before the
-// wait a block may only read what was complete before it could start: the moe down kernel's ids and
-// weights (the routing kernel's output: its primary, gate/up, triggers only after its own wait) and
-// its weight prefetch.
+// and before it exits, so that a kernel's completion implies its primary's, transitively.
+//
+// Where a block lets the next kernel launch (launch_dependents): right after its wait, or, released
+// early, at its start, before its wait. Early, the next kernel's blocks may start (and prefetch their
+// weights into L2) while this kernel still waits for its own primary, so a chain of early releases
+// keeps HBM streaming the coming projections' weights through the small kernels between them (norms,
+// attention, routing). That is safe for every dependent that touches nothing before its wait but
+// what no kernel writes (the weights it prefetches). A dependent that reads a kernel's output before
+// its wait (the MoE down kernel finds its expert in the routing output, its primary's primary) needs
+// its primary to release after its wait: then nothing of the dependent starts before the primary's
+// primary is complete. The MoE gate/up kernel is that primary and releases late; every other moespec
+// kernel releases early unless MOESPEC_PDL_EARLY=0 (pdl_launch). The block emulator plays both
+// (tests/cpp/emulated/cuda_emulator.h).
 __device__ __forceinline__ void wait_for_primary() {
 #if defined(MOESPEC_EMULATED)  // (the block emulator runs the primary from here: tests/cpp/emulated)
   ::emu::Block::self()->wait_for_primary();
@@ -82,11 +91,27 @@ __device__ __forceinline__ void wait_for_primary() {
 // Lets the next kernel on the stream (if launched with pdl) be scheduled once every block of this
 // one has called it; its blocks then wait (wait_for_primary) for this kernel's completion.
 __device__ __forceinline__ void launch_dependents() {
-#if defined(MOESPEC_EMULATED)  // (the block emulator checks it follows the block's wait)
+#if defined(MOESPEC_EMULATED)  // (the block emulator checks it is where the launch declared it)
   ::emu::Block::self()->launch_dependents();
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
+}
+
+// A block's release of the next kernel, early or after its wait (the rule above): release_early at
+// the block's start, wait_then_release where it waits for its primary (between the two, at most the
+// prefetch of weights).
+__device__ __forceinline__ void release_early(bool early) {
+  if (early) launch_dependents();
+}
+__device__ __forceinline__ void wait_then_release(bool early) {
+  wait_for_primary();
+  if (!early) launch_dependents();
+}
+// Both, for a block with nothing to do before its wait.
+__device__ __forceinline__ void release_and_wait(bool early) {
+  release_early(early);
+  wait_then_release(early);
 }
 
 // Asks L2 to fetch the 128-byte line at p (a hint: no result, no fault).
@@ -140,15 +165,34 @@ inline int device_major() {
   return cached[device] > 0 ? cached[device] : 0;
 }
 
+// An on/off switch from the environment: unset or "1" on, "0" off, anything else an error naming it.
+inline bool env_switch(const char* name) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || std::strcmp(env, "1") == 0) return true;
+  MOESPEC_CHECK_ARG(std::strcmp(env, "0") == 0, name, "expected '1' or '0', got '", std::string(env), "'");
+  return false;
+}
+
+// How a kernel is launched: as a programmatic dependent of the kernel before it on the stream, and
+// whether its blocks release the next kernel early (device::release_early) or after their wait.
+struct Pdl {
+  bool dependent = false;
+  bool early = false;
+};
+
 // Whether kernels are launched as programmatic dependents: the device is sm_90+ and MOESPEC_PDL is
-// unset or "1" ("0": plain launches, to compare; anything else is an error naming the variable).
-inline bool pdl_allowed() {
-  const char* env = std::getenv("MOESPEC_PDL");
-  if (env != nullptr && std::strcmp(env, "1") != 0) {
-    MOESPEC_CHECK_ARG(std::strcmp(env, "0") == 0, "MOESPEC_PDL", "expected '1' or '0', got '", std::string(env), "'");
-    return false;
-  }
-  return device_major() >= 9;
+// on ("0": plain launches, to compare).
+inline bool pdl_allowed() { return env_switch("MOESPEC_PDL") && device_major() >= 9; }
+
+// How moespec's programmatic dependents are launched: dependent where pdl_allowed, early unless
+// MOESPEC_PDL_EARLY=0 (or `early` is false: the kernel's dependents read its primary's output before
+// their wait, the MoE gate/up kernel's case).
+inline Pdl pdl_launch(bool early = true) {
+  const bool early_allowed = env_switch("MOESPEC_PDL_EARLY");  // (read first: a bad value errs on any device)
+  Pdl p;
+  p.dependent = pdl_allowed();
+  p.early = p.dependent && early && early_allowed;
+  return p;
 }
 
 // Whether `kernel`'s code on the current device was compiled from sm_90+ PTX, so that it holds the
@@ -174,21 +218,25 @@ inline bool has_pdl_code(const void* kernel) {
   return ok;
 }
 
-// kernel<<<grid, block, shared, stream>>>(args...), as a programmatic dependent launch when pdl (and
-// the kernel's code has the waits: has_pdl_code).
+// kernel<<<grid, block, shared, stream>>>(args...), as a programmatic dependent launch when
+// pdl.dependent (and the kernel's code has the waits: has_pdl_code). pdl.early must be what the kernel
+// does (its `early` argument): the block emulator plays the launches by it and checks the blocks.
 template <typename... Params, typename... Args>
-cudaError_t launch_kernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared,
+cudaError_t launch_kernel(Pdl pdl, void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared,
                           cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = shared;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
+  cudaLaunchAttribute attribute[2];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = pdl && has_pdl_code(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
+  config.numAttrs = pdl.dependent && has_pdl_code(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
+#ifdef MOESPEC_EMULATED  // (the emulator's own attribute: its blocks release the next launch early)
+  if (pdl.early) attribute[config.numAttrs++] = ::emu::early_release_attribute();
+#endif
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
 }
 

@@ -47,7 +47,7 @@ void draft_tree_expand(const DraftExpandArgs& a, void* stream) {
   const int64_t B = check_draft_tree_expand(a, Device::kCUDA);
   if (B == 0) return;
   DeviceGuard guard(a.frontier.device_index);
-  check_launch("draft_tree_expand", launch_kernel(false, expand_kernel, dim3(1), dim3(kExpandThreads), 0,
+  check_launch("draft_tree_expand", launch_kernel(Pdl{}, expand_kernel, dim3(1), dim3(kExpandThreads), 0,
                                                   static_cast<cudaStream_t>(stream), detail::expand_work(a, B)));
 }
 
@@ -60,7 +60,7 @@ void draft_tree_finalize(const DraftFinalizeArgs& a, void* stream) {
                           a.depth.strides[0],  a.scores.strides[0],      a.candidates.strides[0],
                           a.mask.strides[0],   a.paths.strides[0]};
   check_launch("draft_tree_finalize",
-               launch_kernel(false, finalize_kernel, dim3(static_cast<unsigned>(B)), dim3(kFinalizeThreads), 0,
+               launch_kernel(Pdl{}, finalize_kernel, dim3(static_cast<unsigned>(B)), dim3(kFinalizeThreads), 0,
                              static_cast<cudaStream_t>(stream), detail::finalize_work(a, 0), s));
 }
 

@@ -21,7 +21,9 @@
 // the grid's rows come to at most kPrefetchTotal (the router, a small o projection: they then stream
 // from L2 once the wait returns) and else their first kPrefetchTotal / blocks bytes, at least
 // kPrefetchBytes (L2 holds 50 MB on an H200): the weights are constant, so a projection's bytes stream
-// while the kernel before it (the norm, the attention's combine) finishes.
+// while the kernels before it (the norm, the attention and its combine) run: the kernels between two
+// projections release their dependents early (device_common.cuh), so a projection's blocks start as
+// soon as the kernel before it has started, not once that one's own primary is done.
 //
 // Dimensions: T tokens, K input features, N output features.
 #include <cuda_bf16.h>
@@ -52,6 +54,7 @@ struct LinearParams {
   const void* bias;  // [N] bf16 or fp32, or null
   bool bias_fp32;
   __nv_bfloat16* out;  // [T, N]
+  bool early;          // release the next kernel at the start (device_common.cuh)
 };
 
 template <int kTiles, int kWarpsK>
@@ -59,14 +62,14 @@ __global__ void __launch_bounds__(kWarpsK * kWarp) linear_kernel(LinearParams p)
   __shared__ float red[(kWarpsK - 1) * kTiles * 4 * kWarp];
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
   const int nrows = p.N - r0 < 16 ? static_cast<int>(p.N - r0) : 16;
+  release_early(p.early);  // (launched as a programmatic dependent: device_common.cuh)
   const __nv_bfloat16* const w[1] = {p.weight + r0 * p.K};
   const char* bytes = reinterpret_cast<const char*>(w[0]);
   const int64_t share = kPrefetchTotal / gridDim.x > kPrefetchBytes ? kPrefetchTotal / gridDim.x : kPrefetchBytes;
   const int64_t mine = 2 * nrows * p.K, ahead = mine < share ? mine : share;
   for (int64_t b = static_cast<int64_t>(threadIdx.x) * 128; b < ahead; b += static_cast<int64_t>(blockDim.x) * 128)
     prefetch_l2(bytes + b);
-  wait_for_primary();  // x is the previous kernel's output; out may still be read by it
-  launch_dependents();
+  wait_then_release(p.early);  // x is the previous kernel's output; out may still be read by it
   const auto row_of = [=](int32_t at) { return p.x + static_cast<int64_t>(at) * p.ldx; };
   const auto store = [=](int32_t at, int r, const float (&acc)[1][kTiles][4], int j, int i) {
     const int64_t n = r0 + r;
@@ -83,7 +86,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // One launch of blocks of kWarpsK warps, its n-tiles by T.
 template <int kWarpsK>
-cudaError_t launch(const LinearParams& p, unsigned blocks, bool pdl, cudaStream_t stream) {
+cudaError_t launch(const LinearParams& p, unsigned blocks, Pdl pdl, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   with_tiles(p.T, [&](auto tiles) {
     err = launch_kernel(pdl, linear_kernel<decltype(tiles)::value, kWarpsK>, dim3(blocks), dim3(kWarpsK * kWarp), 0,
@@ -112,12 +115,12 @@ void linear(const LinearArgs& a, void* stream) {
   MOESPEC_CHECK_ARG(device_major() >= 8, "x", "the CUDA kernel needs sm_80 or newer (bf16 tensor cores)");
   if (T == 0) return;
   MOESPEC_CHECK_ARG(T <= INT32_MAX, "x", "too many tokens: ", T);
+  const Pdl pdl = pdl_launch();
   const LinearParams p{a.x.ptr<const __nv_bfloat16>(), ldx, T, N, K, a.weight.ptr<const __nv_bfloat16>(),
                        a.bias.defined() ? a.bias.data : nullptr, a.bias.defined() && a.bias.dtype == DType::kFloat32,
-                       a.out.ptr<__nv_bfloat16>()};
+                       a.out.ptr<__nv_bfloat16>(), pdl.early};
   const int64_t blocks = (N + 15) / 16;
   MOESPEC_CHECK_ARG(blocks <= INT32_MAX, "weight", "too many output features: ", N);
-  const bool pdl = pdl_allowed();
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const unsigned grid = static_cast<unsigned>(blocks);
   const cudaError_t err =

@@ -508,8 +508,9 @@ __global__ void __launch_bounds__(kSplit * kWarp)
   find_expert(f.ids, f.weights, f.round, f.slots, f.E, static_cast<int32_t>(blockIdx.y), g);
   if (first_block && threadIdx.x == 0) errors[0] = g.bad;
   launch_dependents();  // every block of this grid has started: the down blocks may take free SMs. Keep it
-  // after this block's wait: the down blocks read ids and weights before their own wait, which is safe
-  // because none of them starts before every block here has waited for the routing kernel's completion
+  // after this block's wait, never early (device_common.cuh): the down blocks read ids and weights before
+  // their own wait, which is safe because none of them starts before every block here has waited for the
+  // routing kernel's completion
   if (g.expert < 0) return;
   const int32_t* list = g.list;
   const int64_t K = f.K;
@@ -556,10 +557,11 @@ template <int kTiles>
 __global__ void __launch_bounds__(kSplit * kWarp)
     down_fused_kernel(FusedParams f, const __nv_bfloat16* __restrict__ experts, const float* __restrict__ biases,
                       const __nv_bfloat16* __restrict__ h, float* __restrict__ y, int32_t* __restrict__ tiles_done,
-                      __nv_bfloat16* __restrict__ out) {
+                      __nv_bfloat16* __restrict__ out, bool early) {
   __shared__ float red[(kSplit - 1) * kTiles * 4 * kWarp];
   __shared__ BlockExpert g;
   __shared__ bool last;
+  release_early(early);  // (the next kernel, e.g. the norm, waits for this one's completion to read out)
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
   find_expert(f.ids, f.weights, f.round, f.slots, f.E, static_cast<int32_t>(blockIdx.y), g);
   if (g.expert < 0) {
@@ -574,8 +576,7 @@ __global__ void __launch_bounds__(kSplit * kWarp)
   const int64_t ahead = 32 * f.I < kPrefetchBytes ? 32 * f.I : kPrefetchBytes;  // (16 rows of 2-byte elements)
   for (int64_t b = static_cast<int64_t>(threadIdx.x) * 128; b < ahead; b += static_cast<int64_t>(blockDim.x) * 128)
     prefetch_l2(rows + b);
-  wait_for_primary();  // h (and the zeroed counters) are complete from here on
-  launch_dependents();  // (the next kernel, e.g. the norm, waits for this one's completion to read out)
+  wait_then_release(early);  // h (and the zeroed counters) are complete from here on
   const int32_t* list = g.list;
   down_rows<kTiles>(experts, biases, g.expert, g.count, r0, f.H, f.I, red,
                     [=](int32_t at) { return h + static_cast<int64_t>(list[at]) * f.I; },
@@ -639,7 +640,7 @@ void check_launch(cudaError_t err) {
 
 template <int kTiles>
 void launch_fused(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bound, const ActParams& p, bool round,
-                  bool pdl, cudaStream_t stream) {
+                  Pdl pdl, cudaStream_t stream) {
   const int64_t T = a.x.shape[0], H = a.x.shape[1], K = a.ids.shape[1], I = a.intermediate_size;
   const FusedParams f{a.ids.ptr<const int32_t>(), a.weights.ptr<const float>(), round,
                       static_cast<int32_t>(T * K), static_cast<int32_t>(K), static_cast<int32_t>(a.experts.shape[0]),
@@ -648,13 +649,16 @@ void launch_fused(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bou
   const float* biases = a.biases.defined() ? a.biases.ptr<const float>() : nullptr;
   auto* h = static_cast<__nv_bfloat16*>(w.h);
   const dim3 block(kSplit * kWarp);
-  cudaError_t err = launch_kernel(pdl, up_fused_kernel<kTiles>, dim3(static_cast<unsigned>(I / 16), used_bound), block,
-                                  0, stream, f, a.x.ptr<const __nv_bfloat16>(), a.x.strides[0], experts, biases, h,
-                                  w.tiles, w.errors, p);
+  // (gate/up releases the down kernel after its wait, never early: the down blocks read the routing
+  // output, gate/up's primary, before their own wait)
+  cudaError_t err = launch_kernel(Pdl{pdl.dependent, false}, up_fused_kernel<kTiles>,
+                                  dim3(static_cast<unsigned>(I / 16), used_bound), block, 0, stream, f,
+                                  a.x.ptr<const __nv_bfloat16>(), a.x.strides[0], experts, biases, h, w.tiles,
+                                  w.errors, p);
   if (err == cudaSuccess)
     err = launch_kernel(pdl, down_fused_kernel<kTiles>, dim3(static_cast<unsigned>(H / 16), used_bound), block, 0,
                         stream, f, experts, biases, static_cast<const __nv_bfloat16*>(h), w.y, w.tiles,
-                        a.out.ptr<__nv_bfloat16>());
+                        a.out.ptr<__nv_bfloat16>(), pdl.early);
   check_launch(err);
 }
 
@@ -667,9 +671,9 @@ void launch_mma(const MoeExpertsArgs& a, const Workspace& w, unsigned used_bound
   const float* biases = a.biases.defined() ? a.biases.ptr<const float>() : nullptr;
   auto* h = static_cast<__nv_bfloat16*>(w.h);
   const dim3 block(kSplit * kWarp);
-  check_launch(launch_kernel(false, up_mma_kernel<kTiles>, dim3(static_cast<unsigned>(I / 16), used_bound), block, 0,
+  check_launch(launch_kernel(Pdl{}, up_mma_kernel<kTiles>, dim3(static_cast<unsigned>(I / 16), used_bound), block, 0,
                              stream, x, a.x.strides[0], K, experts, biases, w.offsets, w.order, w.used, h, H, I, p));
-  check_launch(launch_kernel(false, down_mma_kernel<kTiles>, dim3(static_cast<unsigned>(H / 16), used_bound), block,
+  check_launch(launch_kernel(Pdl{}, down_mma_kernel<kTiles>, dim3(static_cast<unsigned>(H / 16), used_bound), block,
                              0, stream, experts, biases, w.offsets, w.used, static_cast<const __nv_bfloat16*>(h), w.y,
                              H, I));
 }
@@ -696,12 +700,12 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
   const int64_t bound = E < T * K ? E : T * K;  // (at least 1: with K = 0 block y = 0 writes the zeros)
   const unsigned used_bound = static_cast<unsigned>(bound > 0 ? bound : 1);
   if (mma && T * K <= kFusedSlots && fused_allowed()) {
-    const bool pdl = pdl_allowed();
+    const Pdl pdl = pdl_launch();
     with_tiles(T, [&](auto tiles) { launch_fused<decltype(tiles)::value>(a, w, used_bound, p, round, pdl, stream); });
     return;
   }
   const unsigned group_threads = static_cast<unsigned>((E + kWarp - 1) / kWarp * kWarp);
-  check_launch(launch_kernel(false, group_kernel, dim3(1), dim3(group_threads), 0, stream, ids, weights, round,
+  check_launch(launch_kernel(Pdl{}, group_kernel, dim3(1), dim3(group_threads), 0, stream, ids, weights, round,
                              static_cast<int32_t>(T * K), static_cast<int32_t>(E), w.offsets, w.order, w.pos, w.used,
                              w.errors));
   if (mma) {
@@ -712,12 +716,12 @@ void launch(const MoeExpertsArgs& a, const Workspace& w, cudaStream_t stream) {
     const dim3 block(kWarps * kWarp);
     auto up = vec ? up_kernel<W, true> : up_kernel<W, false>;
     auto down = vec ? down_kernel<W, true> : down_kernel<W, false>;
-    check_launch(launch_kernel(false, up, up_grid, block, 0, stream, x, ldx, K, experts, biases, w.offsets, w.order,
+    check_launch(launch_kernel(Pdl{}, up, up_grid, block, 0, stream, x, ldx, K, experts, biases, w.offsets, w.order,
                                h, H, I, p));
-    check_launch(launch_kernel(false, down, down_grid, block, 0, stream, experts, biases, w.offsets,
+    check_launch(launch_kernel(Pdl{}, down, down_grid, block, 0, stream, experts, biases, w.offsets,
                                static_cast<const W*>(h), w.y, H, I));
   }
-  check_launch(launch_kernel(false, combine_kernel<W>, dim3(static_cast<unsigned>(T)), dim3(kCombineThreads), 0,
+  check_launch(launch_kernel(Pdl{}, combine_kernel<W>, dim3(static_cast<unsigned>(T)), dim3(kCombineThreads), 0,
                              stream, ids, weights, round, w.pos, static_cast<const float*>(w.y), a.out.ptr<W>(), K, H));
 }
 

@@ -325,13 +325,12 @@ constexpr int64_t kFusedMaxTokens = 64;
 static_assert(kFusedMaxExperts <= kFusedThreads, "the budget and active steps hold one expert per thread");
 static_assert(2 * kMaxTopK <= kFusedMaxExperts / 2, "a token's final ids and weights fit its group scratch");
 
-__global__ void __launch_bounds__(kFusedThreads) fused_route_kernel(Params p) {
+__global__ void __launch_bounds__(kFusedThreads) fused_route_kernel(Params p, bool early) {
   __shared__ float s_x[kFusedWarps][kFusedMaxExperts];
   __shared__ float s_y[kFusedWarps][kFusedMaxExperts];
   __shared__ float s_group[kFusedWarps][kFusedMaxExperts / 2];  // group scores, natural weights; final ids, weights
   __shared__ BudgetShared<kFusedMaxExperts> sh;
-  device::wait_for_primary();  // (launched as a programmatic dependent: device_common.cuh)
-  device::launch_dependents();
+  device::release_and_wait(early);  // (launched as a programmatic dependent: device_common.cuh)
   const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
   for (int64_t t = warp; t < p.T; t += kFusedWarps) {
     natural_route_token(p, t, s_x[warp], s_y[warp], s_group[warp], lane);
@@ -455,7 +454,8 @@ void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t wo
   DeviceGuard guard(args.router_logits.device_index);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (T <= kFusedMaxTokens && N <= kFusedMaxExperts && fused_allowed()) {
-    check_cuda(launch_kernel(pdl_allowed(), fused_route_kernel, dim3(1), dim3(kFusedThreads), 0, s, p),
+    const Pdl pdl = pdl_launch();
+    check_cuda(launch_kernel(pdl, fused_route_kernel, dim3(1), dim3(kFusedThreads), 0, s, p, pdl.early),
                "launching fused_route_kernel");
     return;
   }
@@ -463,10 +463,10 @@ void route_experts(const RouteExpertsArgs& args, void* workspace, std::size_t wo
   const int expert_threads = round_up_warp(N);
   const dim3 tokens(token_blocks), token_block(kTokenThreads);
   const dim3 budget_block(static_cast<unsigned>(expert_threads < 2 * kWarp ? 2 * kWarp : expert_threads));
-  if (T > 0) check_cuda(launch_kernel(false, natural_route_kernel, tokens, token_block, 0, s, p), "launching natural_route_kernel");
-  check_cuda(launch_kernel(false, budget_set_kernel, dim3(1), budget_block, 0, s, p), "launching budget_set_kernel");
-  if (T > 0) check_cuda(launch_kernel(false, final_route_kernel, tokens, token_block, 0, s, p), "launching final_route_kernel");
-  check_cuda(launch_kernel(false, active_kernel, dim3(1), dim3(static_cast<unsigned>(expert_threads)), 0, s, p),
+  if (T > 0) check_cuda(launch_kernel(Pdl{}, natural_route_kernel, tokens, token_block, 0, s, p), "launching natural_route_kernel");
+  check_cuda(launch_kernel(Pdl{}, budget_set_kernel, dim3(1), budget_block, 0, s, p), "launching budget_set_kernel");
+  if (T > 0) check_cuda(launch_kernel(Pdl{}, final_route_kernel, tokens, token_block, 0, s, p), "launching final_route_kernel");
+  check_cuda(launch_kernel(Pdl{}, active_kernel, dim3(1), dim3(static_cast<unsigned>(expert_threads)), 0, s, p),
              "launching active_kernel");
 }
 

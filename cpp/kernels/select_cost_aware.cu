@@ -100,7 +100,7 @@ void select_cost_aware(const SelectCostAwareBatchArgs& a, void* stream) {
       limit.store(plan.bytes);
     }
     return launch_kernel(
-        false, kernel, dim3(1), dim3(kSelectThreads), static_cast<std::size_t>(plan.bytes), s, a.parents.ptr<const int32_t>(), a.depth.ptr<const int32_t>(), a.scores.ptr<const float>(),
+        Pdl{}, kernel, dim3(1), dim3(kSelectThreads), static_cast<std::size_t>(plan.bytes), s, a.parents.ptr<const int32_t>(), a.depth.ptr<const int32_t>(), a.scores.ptr<const float>(),
         a.num_candidates.ptr<const int32_t>(), a.predicted.ptr<const int32_t>(),
         a.predicted_p.defined() ? a.predicted_p.ptr<const float>() : nullptr, a.buffer.ptr<float>(),
         a.expert_s.ptr<const float>(), state, a.selected.ptr<int32_t>(), a.count.ptr<int32_t>(),
@@ -136,7 +136,7 @@ void tree_from_selection(const TreeFromSelectionArgs& a, void* stream) {
   if (B == 0) return;
   DeviceGuard guard(dev);
   const cudaError_t err = launch_kernel(
-      false, tree_kernel, dim3(static_cast<unsigned>(B)), dim3(32), sizeof(int32_t) * static_cast<std::size_t>(C),
+      Pdl{}, tree_kernel, dim3(static_cast<unsigned>(B)), dim3(32), sizeof(int32_t) * static_cast<std::size_t>(C),
       static_cast<cudaStream_t>(stream), a.selected.ptr<const int32_t>(), a.count.ptr<const int32_t>(), a.cand_parents.ptr<const int32_t>(),
       a.cand_tokens.ptr<const int32_t>(), a.root_tokens.ptr<const int32_t>(), a.tokens.ptr<int32_t>(),
       a.parents.ptr<int32_t>(), a.depth.ptr<int32_t>(), a.mask.ptr<int32_t>(), a.num_nodes.ptr<int32_t>(),

@@ -13,6 +13,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "check.h"
@@ -307,11 +308,13 @@ void consume_without_wait(const int* in, int* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = in[blockIdx.x * blockDim.x + threadIdx.x];
 }
 
+constexpr moespec::cuda::Pdl kLate{true, false}, kEarly{true, true};  // (dependent launches)
+
 // produce -> consume on 4 blocks of 32, the consumer a programmatic dependent or not; its output.
 std::vector<int> run(void (*consume)(const int*, int*), bool dependent, cudaError_t* sync = nullptr) {
   std::vector<int> mid(128, 0), out(128, -1);
-  CHECK(moespec::cuda::launch_kernel(true, &produce, dim3(4), dim3(32), 0, nullptr, mid.data()) == cudaSuccess);
-  CHECK(moespec::cuda::launch_kernel(dependent, consume, dim3(4), dim3(32), 0, nullptr,
+  CHECK(moespec::cuda::launch_kernel(kLate, &produce, dim3(4), dim3(32), 0, nullptr, mid.data()) == cudaSuccess);
+  CHECK(moespec::cuda::launch_kernel(moespec::cuda::Pdl{dependent, false}, consume, dim3(4), dim3(32), 0, nullptr,
                                      static_cast<const int*>(mid.data()), out.data()) == cudaSuccess);
   const cudaError_t status = cudaStreamSynchronize(nullptr);
   if (sync != nullptr) *sync = status;
@@ -324,6 +327,53 @@ std::vector<int> produced() {
   for (int i = 0; i < 128; ++i) want[static_cast<std::size_t>(i)] = i / 32 + 1;
   return want;
 }
+// A kernel between the two: releases its dependents early or after its wait, then marks `seen`.
+void relay(int* seen, bool early) {
+  moespec::cuda::device::release_and_wait(early);
+  seen[blockIdx.x * blockDim.x + threadIdx.x] = 1;
+}
+// produce -> relay -> consume (all programmatic dependents; relay's release early or not); the output.
+std::vector<int> run_through_relay(void (*consume)(const int*, int*), bool early) {
+  std::vector<int> mid(128, 0), seen(128, 0), out(128, -1);
+  CHECK(moespec::cuda::launch_kernel(kLate, &produce, dim3(4), dim3(32), 0, nullptr, mid.data()) == cudaSuccess);
+  CHECK(moespec::cuda::launch_kernel(moespec::cuda::Pdl{true, early}, &relay, dim3(4), dim3(32), 0, nullptr,
+                                     seen.data(), early) == cudaSuccess);
+  CHECK(moespec::cuda::launch_kernel(kLate, consume, dim3(4), dim3(32), 0, nullptr,
+                                     static_cast<const int*>(mid.data()), out.data()) == cudaSuccess);
+  CHECK(cudaStreamSynchronize(nullptr) == cudaSuccess);
+  CHECK(seen == std::vector<int>(128, 1));
+  return out;
+}
+// Blocks of `got` that hold what was there before `produce` ran (zeros), and its output.
+std::pair<int, int> stale_and_right(const std::vector<int>& got) {
+  const std::vector<int> want = produced();
+  int stale = 0, right = 0;
+  for (std::size_t b = 0; b < 4; ++b) {
+    const std::vector<int> block(got.begin() + 32 * b, got.begin() + 32 * (b + 1));
+    stale += block == std::vector<int>(32, 0);
+    right += block == std::vector<int>(want.begin() + 32 * b, want.begin() + 32 * (b + 1));
+  }
+  return {stale, right};
+}
+void release_after_wait(int* out) {  // (the bug, in a launch declaring an early release)
+  moespec::cuda::device::wait_for_primary();
+  moespec::cuda::device::launch_dependents();
+  out[threadIdx.x] = 1;
+}
+void release_before_wait(int* out) {  // (the bug, in a launch declaring none)
+  moespec::cuda::device::launch_dependents();
+  moespec::cuda::device::wait_for_primary();
+  out[threadIdx.x] = 1;
+}
+// produce -> `kernel` (a dependent, declared early or not); the error of the synchronisation.
+std::string fault(void (*kernel)(int*), moespec::cuda::Pdl pdl) {
+  std::vector<int> mid(128, 0), out(32, 0);
+  CHECK(moespec::cuda::launch_kernel(kLate, &produce, dim3(4), dim3(32), 0, nullptr, mid.data()) == cudaSuccess);
+  CHECK(moespec::cuda::launch_kernel(pdl, kernel, dim3(1), dim3(32), 0, nullptr, out.data()) == cudaSuccess);
+  const cudaError_t status = cudaStreamSynchronize(nullptr);
+  (void)cudaGetLastError();
+  return status == cudaSuccess ? std::string() : std::string(cudaGetErrorString(status));
+}
 }  // namespace pdl
 
 TEST(a_dependent_launch_that_waits_reads_its_primarys_output) {
@@ -331,14 +381,8 @@ TEST(a_dependent_launch_that_waits_reads_its_primarys_output) {
 }
 
 TEST(a_dependent_launch_that_reads_before_its_wait_reads_what_was_there_before_its_primary) {
-  const std::vector<int> got = pdl::run(&pdl::consume_before_wait, true), want = pdl::produced();
-  int stale = 0, right = 0;  // blocks that read before the primary ran (its first: one), and after
-  for (std::size_t b = 0; b < 4; ++b) {
-    const std::vector<int> block(got.begin() + 32 * b, got.begin() + 32 * (b + 1));
-    stale += block == std::vector<int>(32, 0);
-    right += block == std::vector<int>(want.begin() + 32 * b, want.begin() + 32 * (b + 1));
-  }
-  CHECK(stale == 1 && right == 3);
+  // (blocks that read before the primary ran: its first, one; the others after)
+  CHECK(pdl::stale_and_right(pdl::run(&pdl::consume_before_wait, true)) == std::make_pair(1, 3));
   CHECK(pdl::run(&pdl::consume_before_wait, false) == pdl::produced());  // (a plain launch: after its primary)
 }
 
@@ -348,4 +392,23 @@ TEST(a_dependent_block_that_returns_without_waiting_is_a_fault) {
   CHECK(status != cudaSuccess);
   CHECK(std::string(cudaGetErrorString(status)).find("without waiting for its primary") != std::string::npos);
   CHECK(pdl::run(&pdl::consume_without_wait, false) != pdl::produced());  // (plain: no rule; block 1 writes nothing)
+}
+
+// A chain of early releases: the consumer may start before the relay's primary (produce) has run, so
+// a read of produce's output before the consumer's wait shows (the first block); after a late release
+// it cannot (the MoE down kernel reads the routing output, its primary's primary, before its wait).
+TEST(a_read_before_the_wait_of_its_primarys_primary_shows_only_after_an_early_release) {
+  for (int i = 0; i < 2; ++i) {  // (the late chain is played two ways in turn: cuda_emulator.h's enqueue)
+    CHECK(pdl::stale_and_right(pdl::run_through_relay(&pdl::consume_before_wait, true)) == std::make_pair(1, 3));
+    CHECK(pdl::stale_and_right(pdl::run_through_relay(&pdl::consume_before_wait, false)) == std::make_pair(0, 4));
+    CHECK(pdl::run_through_relay(&pdl::consume_after_wait, true) == pdl::produced());
+  }
+}
+
+TEST(a_release_elsewhere_than_the_launch_declares_is_a_fault) {
+  CHECK(pdl::fault(&pdl::release_after_wait, pdl::kEarly).find("declares an early release") != std::string::npos);
+  CHECK(pdl::fault(&pdl::release_before_wait, pdl::kLate).find("does not declare an early release") !=
+        std::string::npos);
+  CHECK(pdl::fault(&pdl::release_after_wait, pdl::kLate).empty());
+  CHECK(pdl::fault(&pdl::release_before_wait, pdl::kEarly).empty());
 }

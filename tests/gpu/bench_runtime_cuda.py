@@ -13,7 +13,8 @@ runtime"): within 15% of the roofline at T <= 16, with CUDA graphs (the "graphs"
 moespec.runtime.graphs); each row times the eager reference backend and the graphs backend, the
 latter with its default forward (moespec.runtime.fused: the decoder ops' kernels), with the
 reference forward on static buffers (MOESPEC_FUSED_STEP=0), with every kernel launched plainly instead
-of as a programmatic dependent (MOESPEC_PDL=0), with the MoE kernel's four launches instead of the
+of as a programmatic dependent (MOESPEC_PDL=0), with each kernel releasing the next one after its wait
+instead of early (MOESPEC_PDL_EARLY=0), with the MoE kernel's four launches instead of the
 fused pair (MOESPEC_MOE_FUSED=0) and with torch's GEMM for the dense projections instead of
 moespec's linear kernel (MOESPEC_CUDA_LINEAR=0).
 """
@@ -286,6 +287,7 @@ def main() -> int:
 
             t_unfused = graphs_with(MOESPEC_FUSED_STEP="0")  # graphs of the reference forward
             t_no_pdl = graphs_with(MOESPEC_PDL="0")  # every kernel launched plainly
+            t_late = graphs_with(MOESPEC_PDL_EARLY="0")  # every kernel releasing the next after its wait
             t_moe_four = graphs_with(MOESPEC_MOE_FUSED="0")  # the MoE kernel's four launches
             t_torch_linear = graphs_with(MOESPEC_CUDA_LINEAR="0")  # torch's GEMM for the projections
             m.backend_name = "graphs"  # graphs of the fused forward (moespec.runtime.fused): the default
@@ -299,12 +301,14 @@ def main() -> int:
             rows.append({"T": T, "budget": B, "ms": t * 1e3, "graphs_ms": t_graph * 1e3, "graphs_host_ms": host * 1e3,
                          "replay_ms": t_replay * 1e3, "replay_x_roofline": t_replay / roof,
                          "graphs_reference_forward_ms": t_unfused * 1e3, "graphs_no_pdl_ms": t_no_pdl * 1e3,
+                         "graphs_late_release_ms": t_late * 1e3,
                          "graphs_moe_four_launches_ms": t_moe_four * 1e3, "graphs_torch_linear_ms": t_torch_linear * 1e3,
                          "unique": kept, "roofline_ms": roof * 1e3,
                          "x_roofline": t / roof, "graphs_x_roofline": t_graph / roof})
             print(f"T={T:3d} budget={str(B):>4s}: eager {t * 1e3:7.3f} ms, graphs {t_graph * 1e3:7.3f} ms "
                   f"(its graph's replay alone {t_replay * 1e3:7.3f} ms) "
-                  f"(reference forward {t_unfused * 1e3:7.3f}, no PDL {t_no_pdl * 1e3:7.3f}, MoE in four launches "
+                  f"(reference forward {t_unfused * 1e3:7.3f}, no PDL {t_no_pdl * 1e3:7.3f}, late release "
+                  f"{t_late * 1e3:7.3f}, MoE in four launches "
                   f"{t_moe_four * 1e3:7.3f}, torch's projections {t_torch_linear * 1e3:7.3f} ms; "
                   f"host {host * 1e3:6.3f} ms a call), "
                   f"{kept:6.1f} experts/layer, roofline {roof * 1e3:6.3f} ms (graphs {t_graph / roof:5.2f}x)")

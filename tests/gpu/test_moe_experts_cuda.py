@@ -25,15 +25,18 @@ from moespec.ops.reference import moe_experts_reference  # noqa: E402
 
 CUDA = torch.device("cuda")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
-LAUNCHES = {"fused": ("1", "1"), "fused-plain": ("1", "0"), "four": ("0", "1")}  # MOESPEC_MOE_FUSED, MOESPEC_PDL
+LAUNCHES = {"fused": ("1", "1", "1"), "fused-late": ("1", "1", "0"), "fused-plain": ("1", "0", "1"),
+            "four": ("0", "1", "1")}  # MOESPEC_MOE_FUSED, MOESPEC_PDL, MOESPEC_PDL_EARLY
 
 
 @pytest.fixture(autouse=True, params=list(LAUNCHES), ids=list(LAUNCHES))
 def launches(request, monkeypatch):
-    """Each test once per launch sequence of the kernel (read by the CUDA entry at every call)."""
-    fused, pdl = LAUNCHES[request.param]
+    """Each test once per launch sequence of the kernel (read by the CUDA entry at every call): the
+    fused pair's down kernel releasing the next kernel early or after its wait ("fused-late")."""
+    fused, pdl, early = LAUNCHES[request.param]
     monkeypatch.setenv("MOESPEC_MOE_FUSED", fused)
     monkeypatch.setenv("MOESPEC_PDL", pdl)
+    monkeypatch.setenv("MOESPEC_PDL_EARLY", early)
     return request.param
 
 
@@ -215,7 +218,7 @@ def test_fused_pair_gives_the_four_launches_bits(T, H, I, E, K, monkeypatch, lau
 def test_round_weights_every_slot_dropped_and_a_bad_setting(monkeypatch):
     """round_weights in the kernel equals the CPU op's (and the two casts it replaces); a batch whose
     every slot is dropped gives zeros (no expert used: the fused pair's tiles have no last block);
-    MOESPEC_MOE_FUSED or MOESPEC_PDL other than 1 / 0 is a clear error."""
+    MOESPEC_MOE_FUSED, MOESPEC_PDL or MOESPEC_PDL_EARLY other than 1 / 0 is a clear error."""
     T, H, I, E, K = 12, 256, 64, 16, 4
     x, ids, weights, experts = make(T, H, I, E, K, torch.bfloat16, seed=9, drop=0.0, zero=0.0)
     weights = weights + 1e-3 * torch.rand(T, K, generator=torch.Generator().manual_seed(1))
@@ -226,9 +229,9 @@ def test_round_weights_every_slot_dropped_and_a_bad_setting(monkeypatch):
     assert torch.equal(got, moe_experts(args[0], args[1], args[2].to(torch.bfloat16).float(), args[3], I))
     dropped = torch.full_like(args[1], E)
     assert torch.equal(moe_experts(args[0], dropped, args[2], args[3], I), torch.zeros_like(args[0]))
-    for name in ("MOESPEC_MOE_FUSED", "MOESPEC_PDL"):
-        monkeypatch.setenv("MOESPEC_MOE_FUSED", "1")
-        monkeypatch.setenv("MOESPEC_PDL", "1")
+    for name in ("MOESPEC_MOE_FUSED", "MOESPEC_PDL", "MOESPEC_PDL_EARLY"):
+        for switch in ("MOESPEC_MOE_FUSED", "MOESPEC_PDL", "MOESPEC_PDL_EARLY"):
+            monkeypatch.setenv(switch, "1")
         monkeypatch.setenv(name, "yes")
         with pytest.raises(ValueError, match=name):
             moe_experts(*args, I)

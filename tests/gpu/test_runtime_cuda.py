@@ -174,19 +174,21 @@ def _steps_agree(models, tol: float, where: str, decode_steps: int, verify_steps
     return caches, tokens
 
 
-@pytest.mark.parametrize("fused,pdl", [("1", "1"), ("1", "0"), ("0", "1")],
-                         ids=["fused-forward", "fused-forward-no-pdl", "reference-forward"])
-def test_graph_replay_equals_eager(folder, fused, pdl, monkeypatch):
+@pytest.mark.parametrize("fused,pdl,early", [("1", "1", "1"), ("1", "1", "0"), ("1", "0", "1"), ("0", "1", "1")],
+                         ids=["fused-forward", "fused-forward-late-release", "fused-forward-no-pdl", "reference-forward"])
+def test_graph_replay_equals_eager(folder, fused, pdl, early, monkeypatch):
     """The "graphs" backend on CUDA: decode and budgeted tree-verify steps captured once per bucket,
     then replayed with new inputs, give the eager reference backend's logits and expert stats; greedy
     eagle3 through graphs equals greedy ar. Both forwards of the steps: moespec.runtime.fused (the
-    decoder ops' kernels, launched as programmatic dependents or, MOESPEC_PDL=0, plainly) and the
-    reference forward on static buffers (MOESPEC_FUSED_STEP=0)."""
+    decoder ops' kernels, launched as programmatic dependents releasing the next kernel early, or after
+    their wait (MOESPEC_PDL_EARLY=0), or, MOESPEC_PDL=0, plainly) and the reference forward on static
+    buffers (MOESPEC_FUSED_STEP=0)."""
     from moespec import SpeculativeConfig
     from moespec.spec.train import new_head
 
     monkeypatch.setenv("MOESPEC_FUSED_STEP", fused)
     monkeypatch.setenv("MOESPEC_PDL", pdl)
+    monkeypatch.setenv("MOESPEC_PDL_EARLY", early)
     eager = mm.load(folder, "fp32", device="cuda")
     eager.backend_name = "reference"  # (the CUDA default is "graphs")
     graphs = mm.load(folder, "fp32", device="cuda")
@@ -227,13 +229,17 @@ def every_expert_folder(tmp_path_factory):
     return out
 
 
-def test_bf16_graph_steps_match_the_cpu(every_expert_folder):
+@pytest.mark.parametrize("early", ["1", "0"], ids=["early-release", "late-release"])
+def test_bf16_graph_steps_match_the_cpu(every_expert_folder, early, monkeypatch):
     """The path a GPU serves in bf16 (the graphs backend's fused forward: moespec's linear, decoder-op,
-    routing and tensor-core MoE kernels, one chain of programmatic dependent launches a step) against
-    the CPU's reference backend in bf16: decode steps replayed from their graphs and verify trees
-    within 2e-2 of the logits' scale. (The fp32 tests take torch's GEMM and the MoE kernel's FMA path;
-    on the emulated kernels this chain shows a kernel that reads its predecessor's output before its
-    wait.)"""
+    routing and tensor-core MoE kernels, one chain of programmatic dependent launches a step, each
+    kernel releasing the next early or, MOESPEC_PDL_EARLY=0, after its wait) against the CPU's
+    reference backend in bf16: decode steps replayed from their graphs and verify trees within 2e-2 of
+    the logits' scale. (The fp32 tests take torch's GEMM and the MoE kernel's FMA path; on the emulated
+    kernels this chain shows a kernel that reads its predecessor's output before its wait, or, after
+    an early release, its predecessor's predecessor's: the MoE gate/up kernel releasing early fails
+    it.)"""
+    monkeypatch.setenv("MOESPEC_PDL_EARLY", early)
     cpu = mm.load(every_expert_folder, "bf16", device="cpu")
     cpu.backend_name = "reference"
     gpu = mm.load(every_expert_folder, "bf16", device="cuda")

@@ -83,13 +83,14 @@ def test_a_graph_records_native_launches_and_refuses_a_read_back():
 
 # The kernel tests of tests/gpu on the emulated kernels, lean enough for CI's two cores (each test
 # with its small shapes; the largest, the routing grid, which the routing hypothesis test samples, and
-# the variants that launch plainly instead of as programmatic dependents, whose code the dependent
-# variants run, are left to GPU sessions and to the README's command), then the runtime's.
+# the variants that launch plainly instead of as programmatic dependents, or release the next kernel
+# after their wait instead of early, whose code the default variants run, are left to GPU sessions and
+# to the README's command), then the runtime's.
 KERNEL_TESTS = ["tests/gpu/test_route_experts_cuda.py", "tests/gpu/test_draft_tree_cuda.py",
                 "tests/gpu/test_select_cost_aware_cuda.py", "tests/gpu/test_moe_experts_cuda.py",
                 "tests/gpu/test_decoder_ops_cuda.py", "tests/gpu/test_linear_cuda.py"]
 EMULATED = ("not 16-2048-768-128-8 and not 300-dtype and not random_trees and not 2048-32000 and not fused-plain "
-            "and not no-pdl and not test_cuda_equals_cpu[")
+            "and not no-pdl and not fused-late and not late-release and not test_cuda_equals_cpu[")
 
 
 def test_native_launches_run_the_emulated_kernels(monkeypatch):

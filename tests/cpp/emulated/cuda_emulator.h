@@ -18,13 +18,17 @@
 // Programmatic dependent launch is played against the kernel: a launch through the shim
 // (cudaLaunchKernelEx) is deferred until the next launch or a synchronisation, and a programmatic
 // dependent's first block (in the launch's order) runs up to its wait (griddepcontrol.wait,
-// moespec's wait_for_primary) before its primary has run at all (its primary's primaries have: a
-// GPU starts a dependent once every block of its primary has called launch_dependents, which a
-// dependent block may do only after its wait); the primary runs then, the rest after it. So a block
-// that reads its primary's output, or writes what the primary reads, before its wait gets another
+// moespec's wait_for_primary) before its primary has run at all; the primary runs then, the rest
+// after it. A GPU starts a dependent once every block of its primary has called launch_dependents:
+// where the primary's blocks do so after their own wait, the primary's primaries have run first;
+// where the launch declares that its blocks release early, at their start (the emulator's launch
+// attribute, early_release_attribute), the dependent's first block runs up to its wait before the
+// primary's primaries too, down a chain of early releases. So a block that reads its primary's output
+// (or a kernel's further up an early chain), or writes what they read, before its wait gets another
 // result than the other orders; a block of a dependent launch that returns without waiting (which
-// would let a kernel after it see it complete before its primary), or that calls launch_dependents
-// before its wait, is a fault.
+// would let a kernel after it see it complete before its primary), or whose threads call
+// launch_dependents elsewhere than the launch declares (before their wait when it does not declare
+// early, after it or not at all before it when it does), is a fault.
 //
 // What it cannot show: speed, memory-model subtleties within a phase, blocks of one kernel running
 // at once, the bits of an approximate device function (expf, rsqrtf: the host's are used).
@@ -109,12 +113,15 @@ class Block {
   // returns; `primary`, when given and not empty, is run once every thread of the block waits for it
   // (or has returned) and nothing else can go on.
   void run(unsigned threads, const std::function<void()>& body, Order order, uint64_t seed, bool dependent = false,
-           std::function<void()>* primary = nullptr) {
+           std::function<void()>* primary = nullptr, bool early = false) {
     if (threads == 0 || threads > 1024) throw Fault("block size must be in [1, 1024]");
     n_ = threads;
     body_ = &body;
     dependent_ = dependent;
+    early_ = early;
     waited_ = false;
+    thread_waited_.assign(n_, false);
+    thread_released_.assign(n_, false);
     primary_ = primary != nullptr && *primary ? primary : nullptr;
     state_.assign(n_, State::kReady);
     post_.assign(n_, Collective{});
@@ -146,17 +153,24 @@ class Block {
 
   // griddepcontrol.wait: parks the thread while this block holds its launch's primary, not yet run.
   void wait_for_primary() {
+    if (early_ && !thread_released_[current_])
+      throw Fault("wait_for_primary before launch_dependents in a launch that declares an early release: the "
+                  "emulator plays its dependents as starting before its primary is complete");
     waited_ = true;
+    thread_waited_[current_] = true;
     if (primary_ != nullptr) wait(State::kPrimary, Collective{});
   }
 
-  // griddepcontrol.launch_dependents: in a dependent launch, only after the block's wait (moespec's
-  // rule, which the stream's play of dependents relies on: a dependent starts after its primary's
-  // primaries are complete).
-  void launch_dependents() const {
-    if (dependent_ && !waited_)
-      throw Fault("launch_dependents before wait_for_primary in a programmatic dependent launch: its dependents "
-                  "could start before its own primary is complete");
+  // griddepcontrol.launch_dependents: after the thread's wait in a dependent launch (which the play
+  // of a late release relies on: its dependents start after its primary's primaries are complete),
+  // before it where the launch declares an early release.
+  void launch_dependents() {
+    if (early_ && thread_waited_[current_])
+      throw Fault("launch_dependents after wait_for_primary in a launch that declares an early release");
+    if (dependent_ && !early_ && !thread_waited_[current_])
+      throw Fault("launch_dependents before wait_for_primary in a programmatic dependent launch that does not "
+                  "declare an early release: its dependents could start before its own primary is complete");
+    thread_released_[current_] = true;
   }
 
   // A block collective (__syncthreads and its forms): every live thread must arrive.
@@ -292,7 +306,8 @@ class Block {
   void run_primary();
 
   unsigned n_ = 0, current_ = 0;
-  bool dependent_ = false, waited_ = false;
+  bool dependent_ = false, early_ = false, waited_ = false;
+  std::vector<bool> thread_waited_, thread_released_;  // (each thread's wait and release, in order)
   std::function<void()>* primary_ = nullptr;
   const std::function<void()>* body_ = nullptr;
   std::vector<State> state_;
@@ -353,10 +368,12 @@ inline void check_launch(Dim3 grid, Dim3 block) {
 }
 
 // How a launch relates to the one before it: a programmatic dependent (its blocks must wait for it),
-// and the primary itself when it has not run yet (the first block runs it from its wait).
+// and the primary itself when it has not run yet (the first block runs it from its wait); whether
+// its blocks release their own dependents early (before their wait).
 struct Dependence {
   bool dependent = false;
   std::function<void()> primary;
+  bool early = false;
 };
 
 // The fibers of the launches running: one Block a nesting level (a primary runs inside a block of
@@ -401,7 +418,7 @@ void launch_after(Dependence dependence, Dim3 grid, Dim3 block, std::size_t shar
     block_idx = Dim3{x, y, z};
     dynamic_shared_buffer().assign(shared_bytes + 16, 0xcd);  // (uninitialised on a GPU: not zero here)
     runner.run(static_cast<unsigned>(threads), body, order, seed + x + 7919u * y + 104729u * z,
-               dependence.dependent, i == 0 ? &dependence.primary : nullptr);
+               dependence.dependent, i == 0 ? &dependence.primary : nullptr, dependence.early);
   }
   if (dependence.primary) dependence.primary();  // (an empty grid)
 }
@@ -412,56 +429,74 @@ void launch(Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, uint64
   launch_after(Dependence{}, grid, block, shared_bytes, order, seed, kernel, args...);
 }
 
-// The launches made through the shim and not run yet (at most two): one whose primaries have all
-// run, and possibly its programmatic dependent, armed to run its first block up to its wait before
-// it. A dependent of a dependent arms one of the two pairs, the earlier and the later in turn (its
-// start needs every block of its primary past launch_dependents, hence past their wait: the two
-// pairs cannot both be played with one block of a kernel at a time).
+// The launches made through the shim and not run yet: a chain, each a programmatic dependent of the
+// one before, whose first launch's primaries have all run. Every launch of the chain but its last
+// releases early, so the last may start before any other of the chain has run: the chain runs
+// nested, the last launch's first block up to its wait, then from there the launch before it (its
+// first block up to its wait, and so on down the chain), each launch's other blocks once its primary
+// has run. A dependent of a launch that releases after its wait starts only once that launch's
+// primaries are complete: it arms one of two chains, the pending one (it runs after it) or the pending
+// one's last launch with it (what comes before runs first), in turn (one block of a kernel at a time:
+// its `__shared__` variables are statics here, so a kernel is never pending twice).
 struct Stream {
   struct Pending {
     std::function<void(std::function<void()>)> run;  // the launch, given its primary's run (or nothing)
     const void* kernel;
+    bool early;  // its blocks release their dependents early
   };
   std::vector<Pending> launches;
-  bool later = false;  // (the pair the next dependent of a dependent arms)
+  bool later = false;  // (the chain the next dependent of a late release arms)
 };
 inline Stream& stream() {
   static Stream s;
   return s;
 }
 
+// Runs the chain `launches` (moved from the stream first: a fault leaves nothing pending), nested:
+// launch i with launches 0 .. i - 1 as its primary.
+inline void run_chain(std::vector<Stream::Pending> launches) {
+  std::function<void(std::size_t)> run = [&](std::size_t i) {
+    launches[i].run(i == 0 ? std::function<void()>() : std::function<void()>([&run, i] { run(i - 1); }));
+  };
+  if (!launches.empty()) run(launches.size() - 1);
+}
+
 // Runs what is pending on the stream; a fault of it is thrown here.
 inline void synchronize() {
   std::vector<Stream::Pending> launches = std::move(stream().launches);
   stream().launches.clear();
-  if (launches.size() == 2) launches[1].run([&launches] { launches[0].run(nullptr); });
-  else if (launches.size() == 1) launches[0].run(nullptr);
+  run_chain(std::move(launches));
 }
 
 // Enqueues kernel<<<grid, block, shared_bytes>>>(args...) on the stream: after what is pending, as
-// its programmatic dependent when `dependent`, else once it has run.
+// its programmatic dependent when `dependent`, else once it has run; `early`: its blocks release
+// their own dependents early.
 template <typename Kernel, typename... Args>
-void enqueue(bool dependent, Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, Kernel kernel,
+void enqueue(bool dependent, bool early, Dim3 grid, Dim3 block, std::size_t shared_bytes, Order order, Kernel kernel,
              Args... args) {
   check_launch(grid, block);
   Stream& s = stream();
   Stream::Pending launch{[=, params = std::make_tuple(args...)](std::function<void()> primary) {
                            std::apply([&](auto... a) {
-                             launch_after(Dependence{dependent, std::move(primary)}, grid, block, shared_bytes, order,
-                                          0, kernel, a...);
+                             launch_after(Dependence{dependent, std::move(primary), early}, grid, block,
+                                          shared_bytes, order, 0, kernel, a...);
                            }, params);
                          },
-                         reinterpret_cast<const void*>(kernel)};
+                         reinterpret_cast<const void*>(kernel), early};
   const bool again = std::any_of(s.launches.begin(), s.launches.end(),
                                  [&](const Stream::Pending& p) { return p.kernel == launch.kernel; });
-  if (!dependent || again) {  // (again: a kernel's __shared__ statics hold one of its blocks at a time)
+  if (!dependent || again) {
     synchronize();
-  } else if (s.launches.size() == 2 && (s.later = !s.later)) {  // arm the later pair: its primary's primary first
-    std::vector<Stream::Pending> pair = std::move(s.launches);
-    s.launches.clear();  // (nothing left pending if the first faults)
-    pair[0].run(nullptr);
-    s.launches.push_back(std::move(pair[1]));
-  } else if (s.launches.size() == 2) {  // keep the earlier pair armed: this launch after it
+  } else if (!s.launches.empty() && s.launches.back().early) {
+    // (the chain grows: this launch may start before any launch of it has run)
+  } else if (s.launches.size() >= 2 && (s.later = !s.later)) {  // arm the later chain: what comes before first
+    std::vector<Stream::Pending> chain = std::move(s.launches);
+    s.launches.clear();
+    Stream::Pending last = std::move(chain.back());
+    chain.pop_back();
+    run_chain(std::move(chain));
+    s.launches.push_back(std::move(last));
+  } else if (s.launches.size() >= 2) {  // keep the pending chain armed: this launch after it
     synchronize();
   }
   s.launches.push_back(std::move(launch));

@@ -229,7 +229,10 @@ cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute a, int v) {
   }
   return cudaSuccess;
 }
-enum cudaLaunchAttributeID { cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
+enum cudaLaunchAttributeID {
+  cudaLaunchAttributeProgrammaticStreamSerialization = 5,
+  emuLaunchAttributeEarlyRelease = 0x7e01,  // (the emulator's own: the launch's blocks release early)
+};
 struct cudaLaunchAttributeValue {
   int programmaticStreamSerializationAllowed = 0;
 };
@@ -237,6 +240,15 @@ struct cudaLaunchAttribute {
   cudaLaunchAttributeID id;
   cudaLaunchAttributeValue val;
 };
+namespace emu {
+// The attribute moespec's launch_kernel adds, in the emulated build only, to a launch whose blocks
+// call launch_dependents at their start, before their wait (cuda_emulator.h plays it, and checks it).
+inline cudaLaunchAttribute early_release_attribute() {
+  cudaLaunchAttribute a{};
+  a.id = emuLaunchAttributeEarlyRelease;
+  return a;
+}
+}  // namespace emu
 struct cudaLaunchConfig_t {
   dim3 gridDim, blockDim;
   std::size_t dynamicSmemBytes = 0;
@@ -253,15 +265,17 @@ template <typename... Params, typename... Args>
 cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel)(Params...), Args... args) {
   const auto it = emu_shared_limits().find(reinterpret_cast<const void*>(kernel));
   const std::size_t limit = it == emu_shared_limits().end() ? 49152 : static_cast<std::size_t>(it->second);
-  bool dependent = false;
-  for (unsigned i = 0; i < c->numAttrs; ++i)
+  bool dependent = false, early = false;
+  for (unsigned i = 0; i < c->numAttrs; ++i) {
     dependent |= c->attrs[i].id == cudaLaunchAttributeProgrammaticStreamSerialization &&
                  c->attrs[i].val.programmaticStreamSerializationAllowed != 0;
+    early |= c->attrs[i].id == emuLaunchAttributeEarlyRelease;
+  }
   try {
     if (c->dynamicSmemBytes > limit)
       throw ::emu::Fault("launch: " + std::to_string(c->dynamicSmemBytes) + " bytes of dynamic shared memory over the "
                          "kernel's limit of " + std::to_string(limit) + " (cudaFuncSetAttribute)");
-    ::emu::enqueue(dependent, ::emu::Dim3{c->gridDim.x, c->gridDim.y, c->gridDim.z},
+    ::emu::enqueue(dependent, early, ::emu::Dim3{c->gridDim.x, c->gridDim.y, c->gridDim.z},
                    ::emu::Dim3{c->blockDim.x, c->blockDim.y, c->blockDim.z}, c->dynamicSmemBytes,
                    ::emu::default_order(), kernel, static_cast<Params>(args)...);
   } catch (const std::exception& e) {
