@@ -175,7 +175,8 @@ def _steps_agree(models, tol: float, where: str, decode_steps: int, verify_steps
 
 
 @pytest.mark.parametrize("fused,pdl,early", [("1", "1", "1"), ("1", "1", "0"), ("1", "0", "1"), ("0", "1", "1")],
-                         ids=["fused-forward", "fused-forward-late-release", "fused-forward-no-pdl", "reference-forward"])
+                         ids=["fused-forward", "fused-forward-late-release", "fused-forward-no-pdl",
+                              "reference-forward"])
 def test_graph_replay_equals_eager(folder, fused, pdl, early, monkeypatch):
     """The "graphs" backend on CUDA: decode and budgeted tree-verify steps captured once per bucket,
     then replayed with new inputs, give the eager reference backend's logits and expert stats; greedy
