@@ -76,6 +76,17 @@ def _fallback_env() -> dict:
     return dict(word.split("=", 1) for word in words)
 
 
+def test_run_shs_later_tests_are_gpu_test_files_off_the_targets_path():
+    """run.sh's LATER_TESTS (GPU test files run after the targets' timings, the others before them):
+    files that exist, none of the kernels a target's timing runs (a renamed file would fail its step;
+    one on the targets' path would let the targets be timed before its kernels were checked)."""
+    text = (ROOT / "tests" / "gpu" / "run.sh").read_text()
+    later = text.split("\nLATER_TESTS=(", 1)[1].split(")", 1)[0].split()
+    assert later and all((ROOT / f).is_file() and f.startswith("tests/gpu/test_") for f in later), later
+    targets_path = {"route_experts", "moe_experts", "decoder_ops", "linear", "runtime"}
+    assert not [f for f in later if any(f"test_{name}_cuda.py" in f for name in targets_path)], later
+
+
 def test_run_shs_only_selects_steps_by_their_names_and_refuses_a_bad_pattern(tmp_path):
     """run.sh's ONLY (a second device call's few steps): its `selected` takes the step names a pattern
     matches, every step without ONLY; a pattern bash cannot compile stops the script before it
