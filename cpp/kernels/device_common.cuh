@@ -185,13 +185,13 @@ struct Pdl {
 inline bool pdl_allowed() { return env_switch("MOESPEC_PDL") && device_major() >= 9; }
 
 // How moespec's programmatic dependents are launched: dependent where pdl_allowed, early unless
-// MOESPEC_PDL_EARLY=0 (or `early` is false: the kernel's dependents read its primary's output before
-// their wait, the MoE gate/up kernel's case).
-inline Pdl pdl_launch(bool early = true) {
-  const bool early_allowed = env_switch("MOESPEC_PDL_EARLY");  // (read first: a bad value errs on any device)
+// MOESPEC_PDL_EARLY=0 (the MoE gate/up kernel, whose dependents read its primary's output before their
+// wait, takes Pdl{dependent, false} instead).
+inline Pdl pdl_launch() {
+  const bool early = env_switch("MOESPEC_PDL_EARLY");  // (read first: a bad value errs on any device)
   Pdl p;
   p.dependent = pdl_allowed();
-  p.early = p.dependent && early && early_allowed;
+  p.early = p.dependent && early;
   return p;
 }
 

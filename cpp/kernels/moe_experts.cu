@@ -626,13 +626,7 @@ __global__ void combine_kernel(const int32_t* __restrict__ ids, const float* __r
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // MOESPEC_MOE_FUSED: unset or "1" the fused pair where it fits, "0" the four launches (to compare).
-bool fused_allowed() {
-  const char* env = std::getenv("MOESPEC_MOE_FUSED");
-  if (env == nullptr || std::strcmp(env, "1") == 0) return true;
-  MOESPEC_CHECK_ARG(std::strcmp(env, "0") == 0, "MOESPEC_MOE_FUSED", "expected '1' or '0', got '", std::string(env),
-                    "'");
-  return false;
-}
+bool fused_allowed() { return env_switch("MOESPEC_MOE_FUSED"); }
 
 void check_launch(cudaError_t err) {
   if (err != cudaSuccess) throw_runtime("moespec::cuda::moe_experts: launch failed: ", cudaGetErrorString(err));

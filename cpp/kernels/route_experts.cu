@@ -350,13 +350,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_route_kernel(Params p, bo
 
 // MOESPEC_ROUTE_FUSED=0 takes the four-launch path at every size (to compare the two); unset or 1:
 // the fused kernel where it fits; anything else is an error naming the variable.
-bool fused_allowed() {
-  const char* flag = std::getenv("MOESPEC_ROUTE_FUSED");
-  if (flag == nullptr || std::strcmp(flag, "1") == 0) return true;
-  MOESPEC_CHECK_ARG(std::strcmp(flag, "0") == 0, "MOESPEC_ROUTE_FUSED", "expected '1' or '0', got '",
-                    std::string(flag), "'");
-  return false;
-}
+bool fused_allowed() { return env_switch("MOESPEC_ROUTE_FUSED"); }
 
 // ---------------------------------------------------------------------------------------------
 // Host side
